@@ -1,0 +1,144 @@
+"""The App contract: what a science case gives the generic stages.
+
+The stages (``simulate``, ``data``, ``train``, ``evaluate``) know nothing of any
+science; an app plugs into them by implementing :class:`App`:
+
+- ``config_cls``: a frozen dataclass of the app's physics settings (the
+  ``[app]`` section of a config file), saved with every dataset and run;
+- ``schema``: the arrays one simulated sample stores (name, shape, dtype);
+- ``sample_parameters`` / ``simulate``: the parameter sampler and the simulator
+  (parameters -> arrays); the ensemble runner calls these in worker processes;
+- ``make_model`` / ``make_datasets`` / ``loss`` / ``metrics``: what the trainer
+  needs; datasets may draw cheap randomness (noise, shifts) afresh each epoch;
+- ``evaluate``: the surrogate against the classical baseline on a test set.
+
+Apps are found through the ``converge.apps`` entry-point group, so a user's
+package adds one by declaring, in its ``pyproject.toml``::
+
+    [project.entry-points."converge.apps"]
+    myapp = "mypackage.app:MyApp"
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Mapping, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+ENTRY_POINT_GROUP = "converge.apps"
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of a stored sample: ``shape`` excludes the sample axis."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class BatchSource(Protocol):
+    """What the trainer iterates: batches of tensors, reproducible per epoch.
+
+    ``batches`` must depend only on (the source's seed, ``epoch``, ``rank``,
+    ``world``) so a resumed run sees exactly the data an uninterrupted one would;
+    ranks get disjoint shares of each epoch's samples.
+    """
+
+    def __len__(self) -> int:
+        """Samples per epoch (all ranks together)."""
+
+    def batches(
+        self, epoch: int, batch_size: int, rank: int = 0, world: int = 1
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield dicts of tensors; ``"input"`` is what the model takes."""
+
+
+@dataclass(frozen=True)
+class Monitor:
+    """The validation metric that picks the best checkpoint and stops early."""
+
+    name: str
+    mode: str  # "min" or "max"
+
+    def better(self, new: float, old: float | None) -> bool:
+        if old is None:
+            return True
+        return new < old if self.mode == "min" else new > old
+
+
+class App(ABC):
+    """Base class of a converge application (see the module docstring)."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type]
+    monitor: ClassVar[Monitor]
+    packages: ClassVar[tuple[str, ...]] = ()  # distributions whose versions go in manifests
+    evaluate_config_cls: ClassVar[type | None] = None  # the [evaluate] table, if the app has one
+
+    # -- simulate -----------------------------------------------------------------
+    @abstractmethod
+    def schema(self, cfg: Any) -> dict[str, ArraySpec]:
+        """Arrays of one stored sample, by name."""
+
+    @abstractmethod
+    def sample_parameters(self, cfg: Any, rng: np.random.Generator) -> dict[str, float]:
+        """Draw one task's physical parameters."""
+
+    @abstractmethod
+    def simulate(self, cfg: Any, params: Mapping[str, float]) -> dict[str, np.ndarray]:
+        """Run the simulator for one parameter set; arrays must match ``schema``."""
+
+    # -- train ----------------------------------------------------------------------
+    @abstractmethod
+    def make_model(self, cfg: Any) -> nn.Module:
+        """A fresh, untrained model for this config."""
+
+    @abstractmethod
+    def make_datasets(
+        self, cfg: Any, arrays: Mapping[str, np.ndarray], seed: int, val_fraction: float
+    ) -> tuple[BatchSource, BatchSource]:
+        """(train, validation) batch sources over the stored ``arrays``."""
+
+    @abstractmethod
+    def loss(self, output: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Scalar training loss of a model output on a batch."""
+
+    @abstractmethod
+    def metrics(
+        self, outputs: torch.Tensor, batches: Mapping[str, torch.Tensor]
+    ) -> dict[str, float]:
+        """Validation metrics from all outputs and the concatenated batches."""
+
+    def on_epoch_start(self, train_source: BatchSource, epoch: int, epochs: int) -> None:
+        """Hook for curricula: adjust the training source before an epoch."""
+
+    # -- evaluate -------------------------------------------------------------------
+    @abstractmethod
+    def evaluate(self, run_dir: Path, data_dir: Path, out_dir: Path, **options: Any) -> dict:
+        """Surrogate against the classical baseline; writes plots, returns the report."""
+
+    def summary(self, report: dict) -> dict:
+        """The headline figures of an evaluation report, for the terminal."""
+        return report
+
+
+def available_apps() -> dict[str, type[App]]:
+    """Apps registered under the ``converge.apps`` entry-point group."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}  # type: ignore[misc]
+
+
+def load_app(name: str) -> App:
+    """Instantiate the app registered as ``name``, or say which ones exist."""
+    found = available_apps()
+    if name not in found:
+        known = ", ".join(sorted(found)) or "none (is converge installed with `pip install -e .`?)"
+        raise KeyError(f"unknown app {name!r}; installed apps: {known}")
+    cls = found[name].load()  # type: ignore[attr-defined]
+    if not (isinstance(cls, type) and issubclass(cls, App)):
+        raise TypeError(f"entry point {name!r} does not name a converge App subclass: {cls!r}")
+    return cls()

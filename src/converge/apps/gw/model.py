@@ -1,0 +1,63 @@
+"""The detection CNN: whitened strain in, one signal logit out.
+
+In the spirit of Deep Filtering (George & Huerta 2018, Phys. Lett. B 778, 64) and
+Gabbard et al. 2018 (PRL 120, 141103): stacked 1D convolutions with max pooling
+over the whitened time series, then a small dense head.
+
+The head returns the *logit* ``z = log p/(1-p)``, not a probability: the ranking
+statistic at low false-alarm rates must not saturate, and a sigmoid (or a
+two-class softmax) rounds the loudest noise and the quietest signals to the same
+1.0 in float32 (Schäfer et al. 2022, PRD 105, 043002, remove the final softmax for
+exactly this reason). ``torch.sigmoid(z)`` gives the probability where wanted.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ConvBlock(nn.Module):
+    """Conv1d -> BatchNorm -> ELU -> Conv1d -> BatchNorm -> ELU -> MaxPool."""
+
+    def __init__(self, c_in: int, c_out: int, kernel: int, pool: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Conv1d(c_in, c_out, kernel, padding=kernel // 2, bias=False),
+            nn.BatchNorm1d(c_out),
+            nn.ELU(),
+            nn.Conv1d(c_out, c_out, kernel, padding=kernel // 2, bias=False),
+            nn.BatchNorm1d(c_out),
+            nn.ELU(),
+            nn.MaxPool1d(pool),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class DetectionCNN(nn.Module):
+    """1D CNN on a whitened window of ``n_samples``; returns logits of shape (B,)."""
+
+    def __init__(self, n_samples: int, channels: tuple[int, ...] = (16, 32, 64), hidden: int = 64) -> None:
+        super().__init__()
+        c1, c2, c3 = channels
+        self.features = nn.Sequential(
+            ConvBlock(1, c1, kernel=17, pool=4),  # (B, c1, N/4)
+            ConvBlock(c1, c2, kernel=9, pool=4),  # (B, c2, N/16)
+            ConvBlock(c2, c3, kernel=9, pool=4),  # (B, c3, N/64)
+        )
+        # Max over time after the convolutions makes the score independent of where
+        # in the window the merger sits; the mean keeps a measure of overall power.
+        self.head = nn.Sequential(
+            nn.Linear(2 * c3, hidden),
+            nn.ELU(),
+            nn.Dropout(0.1),
+            nn.Linear(hidden, 1),
+        )
+        self.n_samples = n_samples
+
+    def forward(self, strain: torch.Tensor) -> torch.Tensor:
+        x = strain.unsqueeze(1)  # (B, 1, N)
+        h = self.features(x)  # (B, C, N/64)
+        pooled = torch.cat([h.amax(dim=-1), h.mean(dim=-1)], dim=-1)  # (B, 2C)
+        return self.head(pooled).squeeze(-1)  # (B,)

@@ -1,0 +1,204 @@
+"""Binary-black-hole signals: LALSuite waveforms, detector projection, whitening.
+
+Time convention. LALSimulation frequency-domain waveforms put the coalescence
+time ``t = 0`` at sample 0 of ``irfft`` (the signal wraps circularly, inspiral at
+the end of the segment). For IMRPhenomD, ``t = 0`` is the model's merger: its
+phase carries the linear term that zeroes the group delay ``dphi/df / 2pi`` at
+the peak frequency of the ringdown amplitude (``fmaxCalc`` in LALSimIMRPhenomD.c),
+which lies within a few milliseconds of the peak of the time-domain
+``|h_+ - i h_x|`` (tested). :func:`whitened_signal` puts this ``t = 0``, to the
+sample, at index ``cfg.merger_index`` of the stored series; it is the detector
+arrival time (no geocentre-to-detector delay is applied: one detector only).
+
+Parameters (a mapping, all floats): ``mass1``, ``mass2`` [solar masses, detector
+frame], ``inclination``, ``polarization``, ``ra``, ``dec``, ``coa_phase`` [rad],
+optional ``gps_time`` [s] (sets the Earth's orientation for the antenna pattern;
+:data:`REFERENCE_GPS_TIME` when absent). Spins are zero.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from .config import GWConfig
+from .noise import whitening_factor
+from .psd import design_psd
+
+REFERENCE_GPS_TIME = 1187008882.4  # GW170817's merger time: an arbitrary fixed epoch for antenna patterns
+DEFAULT_DISTANCE_MPC = 1.0  # amplitude is irrelevant once whitened signals are normalised
+TAPER_S = 0.2  # half-Hann taper [s] applied where projected_strain cuts the early inspiral
+
+
+def segment_samples(cfg: GWConfig) -> int:
+    """Samples in the whitening segment, ``segment * sample_rate``."""
+    return int(round(cfg.segment * cfg.sample_rate))
+
+
+@lru_cache(maxsize=8)
+def _segment_whitening_factor(n: int, sample_rate: float, f_lower: float, psd_name: str) -> np.ndarray:
+    return whitening_factor(design_psd(psd_name, n, sample_rate, f_lower), sample_rate, n)
+
+
+@lru_cache(maxsize=4)
+def _detector(name: str):
+    from pycbc.detector import Detector
+
+    return Detector(name)
+
+
+def antenna_pattern(detector: str, ra: float, dec: float, polarization: float, gps_time: float) -> tuple[float, float]:
+    """Detector responses ``(F+, Fx)`` to a plane wave from ``(ra, dec)`` [rad] with polarisation
+    angle ``polarization`` [rad] at ``gps_time`` [s] (PyCBC ``Detector.antenna_pattern``,
+    long-wavelength limit)."""
+    fplus, fcross = _detector(detector).antenna_pattern(ra, dec, polarization, gps_time)
+    return float(fplus), float(fcross)
+
+
+def fd_polarizations(
+    cfg: GWConfig, params: Mapping[str, float], distance_mpc: float = DEFAULT_DISTANCE_MPC
+) -> tuple[np.ndarray, np.ndarray]:
+    """Frequency-domain ``(h+(f), hx(f))`` [strain/Hz], complex128, shape ``(n // 2 + 1,)`` with
+    ``n = segment * sample_rate`` and ``delta_f = 1 / segment``.
+
+    ``cfg.approximant`` from ``f_lower`` to Nyquist via ``pycbc.waveform.get_fd_waveform``
+    (i.e. ``lalsimulation.SimInspiralChooseFDWaveform``), zero spins, ``f_ref = f_lower``.
+    """
+    from pycbc.waveform import get_fd_waveform
+
+    hp, hc = get_fd_waveform(
+        approximant=cfg.approximant,
+        mass1=float(params["mass1"]),
+        mass2=float(params["mass2"]),
+        inclination=float(params.get("inclination", 0.0)),
+        coa_phase=float(params.get("coa_phase", 0.0)),
+        distance=distance_mpc,
+        delta_f=1.0 / cfg.segment,
+        f_lower=cfg.f_lower,
+        f_final=cfg.sample_rate / 2.0,
+    )
+    n_freq = segment_samples(cfg) // 2 + 1
+    return _fit_length(hp.numpy(), n_freq), _fit_length(hc.numpy(), n_freq)
+
+
+def _fit_length(series: np.ndarray, n_freq: int) -> np.ndarray:
+    out = np.zeros(n_freq, dtype=np.complex128)
+    k = min(n_freq, len(series))
+    out[:k] = series[:k]
+    return out
+
+
+def fd_detector_strain(
+    cfg: GWConfig, params: Mapping[str, float], distance_mpc: float = DEFAULT_DISTANCE_MPC
+) -> np.ndarray:
+    """Detector response ``h(f) = F+ h+(f) + Fx hx(f)`` of ``cfg.detector`` [strain/Hz], shape ``(n // 2 + 1,)``."""
+    hp, hc = fd_polarizations(cfg, params, distance_mpc)
+    fplus, fcross = antenna_pattern(
+        cfg.detector,
+        float(params.get("ra", 0.0)),
+        float(params.get("dec", 0.0)),
+        float(params.get("polarization", 0.0)),
+        float(params.get("gps_time", REFERENCE_GPS_TIME)),
+    )
+    return fplus * hp + fcross * hc
+
+
+def whitened_span(cfg: GWConfig, strain_fd: np.ndarray, psd: np.ndarray | None = None) -> np.ndarray:
+    """Whiten a frequency-domain strain over the whole segment and return the stored span.
+
+    ``w = irfft(h(f) fs / sqrt(S fs / 2))`` over ``n = segment * fs`` samples (``fs h(f)`` is
+    the DFT of the sampled signal), then the samples ``t = (j - merger_index) / fs`` for
+    ``j = 0 .. stored_samples - 1``, with ``t = 0`` the FD coalescence time (taken
+    circularly). ``sum w^2`` over the whole segment is ``4 ∫ |h|^2 / S df``.
+    ``psd`` (one-sided, on the segment's rfft grid) defaults to ``cfg.psd``.
+    Returns float64, shape ``(stored_samples,)``.
+    """
+    n = segment_samples(cfg)
+    if psd is None:
+        gain = _segment_whitening_factor(n, float(cfg.sample_rate), float(cfg.f_lower), cfg.psd)
+    else:
+        gain = whitening_factor(psd, cfg.sample_rate, n)
+    white = np.fft.irfft(strain_fd * (cfg.sample_rate * gain), n=n)
+    before, after = cfg.merger_index, cfg.stored_samples - cfg.merger_index
+    return np.concatenate([white[n - before:], white[:after]])
+
+
+def whitened_signal(cfg: GWConfig, params: Mapping[str, float], psd: np.ndarray | None = None) -> np.ndarray:
+    """Whitened detector response, unit optimal SNR over the stored span, float32 ``(stored_samples,)``.
+
+    The merger (FD ``t = 0``, see the module docstring) is at index ``cfg.merger_index``;
+    the series is divided by its Euclidean norm (= optimal SNR, see ``noise``) so that
+    ``optimal_snr(out) == 1``; the data pipeline rescales it per window.
+    """
+    span = whitened_span(cfg, fd_detector_strain(cfg, params), psd)
+    norm = np.linalg.norm(span)
+    if not norm > 0:
+        raise ValueError(f"signal {dict(params)} has no power above f_lower={cfg.f_lower} Hz in the stored span")
+    return (span / norm).astype(np.float32)
+
+
+def optimal_snr(whitened: np.ndarray | torch.Tensor, axis: int = -1) -> np.ndarray | torch.Tensor:
+    """Optimal SNR of whitened signals: ``rho = sqrt(sum_j w_j^2)`` along ``axis`` (numpy or torch)."""
+    if isinstance(whitened, torch.Tensor):
+        return torch.linalg.vector_norm(whitened, dim=axis)
+    return np.linalg.norm(whitened, axis=axis)
+
+
+def sample_bbh_parameters(cfg: GWConfig, rng: np.random.Generator) -> dict[str, float]:
+    """Draw one binary: masses uniform on ``{mass_min <= m2 <= m1 <= mass_max}``, isotropic
+    orientation (``cos(inclination)`` uniform in [-1, 1]) and sky (``ra`` uniform in
+    [0, 2pi), ``sin(dec)`` uniform in [-1, 1]), ``polarization`` uniform in [0, pi),
+    ``coa_phase`` uniform in [0, 2pi), ``gps_time = REFERENCE_GPS_TIME``."""
+    m_a, m_b = rng.uniform(cfg.mass_min, cfg.mass_max, size=2)
+    return {
+        "mass1": float(max(m_a, m_b)),
+        "mass2": float(min(m_a, m_b)),
+        "inclination": float(np.arccos(rng.uniform(-1.0, 1.0))),
+        "polarization": float(rng.uniform(0.0, np.pi)),
+        "ra": float(rng.uniform(0.0, 2.0 * np.pi)),
+        "dec": float(np.arcsin(rng.uniform(-1.0, 1.0))),
+        "coa_phase": float(rng.uniform(0.0, 2.0 * np.pi)),
+        "gps_time": REFERENCE_GPS_TIME,
+    }
+
+
+def projected_strain(
+    cfg: GWConfig, params: Mapping[str, float], duration: float, sample_rate: float, distance_mpc: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Unwhitened detector strain ``F+ h+(t) + Fx hx(t)`` at ``distance_mpc``, for injections.
+
+    Time domain from ``cfg.f_lower`` via ``pycbc.waveform.get_td_waveform`` (LALSimulation's
+    conditioned ``SimInspiralTD``), sampled at ``sample_rate``. Returns
+    ``(times [s] relative to the merger t = 0, strain)``, float64, at most
+    ``round(duration * sample_rate)`` samples: a longer waveform keeps its last samples
+    (merger and ringdown included) and its cut start gets a ``TAPER_S`` half-Hann taper.
+    """
+    from pycbc.waveform import get_td_waveform
+
+    hp, hc = get_td_waveform(
+        approximant=cfg.approximant,
+        mass1=float(params["mass1"]),
+        mass2=float(params["mass2"]),
+        inclination=float(params.get("inclination", 0.0)),
+        coa_phase=float(params.get("coa_phase", 0.0)),
+        distance=distance_mpc,
+        delta_t=1.0 / sample_rate,
+        f_lower=cfg.f_lower,
+    )
+    fplus, fcross = antenna_pattern(
+        cfg.detector,
+        float(params.get("ra", 0.0)),
+        float(params.get("dec", 0.0)),
+        float(params.get("polarization", 0.0)),
+        float(params.get("gps_time", REFERENCE_GPS_TIME)),
+    )
+    strain = fplus * hp.numpy() + fcross * hc.numpy()
+    times = float(hp.start_time) + np.arange(len(strain)) / sample_rate
+    keep = int(round(duration * sample_rate))
+    if len(strain) > keep:
+        strain, times = strain[-keep:].copy(), times[-keep:]
+        n_taper = min(int(round(TAPER_S * sample_rate)), keep // 4)
+        strain[:n_taper] *= np.sin(0.5 * np.pi * np.arange(n_taper) / n_taper) ** 2
+    return times, strain

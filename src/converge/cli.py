@@ -1,0 +1,215 @@
+"""The ``converge`` command line: parse, load config, call the library.
+
+Every command takes ``--config FILE`` (TOML with [app], [simulate], [train],
+[evaluate], [detect] tables) and ``--set section.key=value`` overrides; the
+named flags override both. The resolved config is saved with every output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 OpenMP threads on 2 vCPUs stalled FFTs 40x here
+
+import typer
+from rich.console import Console
+
+from .config import ConfigError, check_sections, load_section, parse_overrides, read_toml
+
+SECTIONS = {"app", "simulate", "train", "evaluate", "detect"}
+console = Console(stderr=True)
+cli = typer.Typer(
+    help="converge: turn an expensive simulation into a trusted neural surrogate.\n\n"
+    "Pipeline: simulate -> train -> evaluate (surrogate vs classical baseline) -> detect/predict.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file with [app], [simulate], [train], ... tables.")
+SetOpt = typer.Option(None, "--set", help="Override one key: section.key=value (repeatable), e.g. train.lr=0.001.")
+
+
+def _tables(config: Optional[Path], sets: Optional[list[str]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    tables = read_toml(config)
+    check_sections(tables, SECTIONS)
+    overrides = parse_overrides(sets)
+    check_sections(overrides, SECTIONS)
+    return tables, overrides
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def _threads() -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+@cli.command("apps")
+def apps_cmd() -> None:
+    """List the installed apps (the `converge.apps` entry-point group)."""
+    from .apps.base import available_apps
+
+    for name, ep in sorted(available_apps().items()):
+        print(f"{name}\t{ep.value}")  # type: ignore[attr-defined]
+
+
+@cli.command("simulate")
+def simulate_cmd(
+    app: str = typer.Argument(..., help="App name, e.g. gw."),
+    out: Path = typer.Option(..., "--out", "-o", help="Dataset directory (created; resumed if present)."),
+    samples: Optional[int] = typer.Option(None, "--samples", "-n", help="Number of samples to simulate."),
+    seed: Optional[int] = typer.Option(None, help="Seed: same seed, same dataset, byte for byte."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Local worker processes."),
+    shard_size: Optional[int] = typer.Option(None, help="Samples per shard file."),
+    repair: bool = typer.Option(False, help="Re-verify every shard and recreate corrupt or missing ones."),
+    config: Optional[Path] = ConfigOpt,
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Run an ensemble of the app's simulator into a sharded dataset.
+
+    Interrupted runs resume: run the same command again and only missing shards
+    are computed. Failed samples are retried, then recorded, and the command
+    exits with status 1 naming them.
+    """
+    from .apps.base import load_app
+    from .simulate.runner import SimulateConfig, run_ensemble
+
+    try:
+        tables, ov = _tables(config, sets)
+        application = load_app(app)
+        app_cfg = load_section(application.config_cls, tables, "app", ov.get("app"))
+        sim_cfg = load_section(SimulateConfig, tables, "simulate", {
+            **ov.get("simulate", {}), "samples": samples, "seed": seed, "workers": workers, "shard_size": shard_size})
+    except (ConfigError, KeyError) as err:
+        _fail(str(err).strip("'\""))
+    result = run_ensemble(application, app_cfg, sim_cfg, out, progress=True, repair=repair)
+    console.print(f"{result.n_ok} samples stored in {out} ({result.shards_computed} shards computed, "
+                  f"{result.shards_skipped} already complete)")
+    if result.n_failed:
+        for f in result.failures[:10]:
+            console.print(f"  sample {f['index']}: {f['error']}")
+        _fail(f"{result.n_failed} sample(s) failed after retries; see {out}/manifest.json", code=1)
+
+
+@cli.command("train")
+def train_cmd(
+    app: str = typer.Argument(..., help="App name, e.g. gw."),
+    data: Path = typer.Option(..., "--data", "-d", help="Dataset directory made by `converge simulate`."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory for checkpoints, metrics and config."),
+    epochs: Optional[int] = typer.Option(None, help="Training epochs."),
+    batch_size: Optional[int] = typer.Option(None, help="Batch size."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate of the one-cycle schedule."),
+    precision: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32 (autocast; fp16 uses a GradScaler)."),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N."),
+    resume: bool = typer.Option(False, help="Continue from OUT/last.pt at the next epoch."),
+    config: Optional[Path] = ConfigOpt,
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Train the app's surrogate on a simulated dataset (AdamW, one-cycle LR, autocast)."""
+    from .apps.base import load_app
+    from .data.store import ShardStore, sha256_file
+    from .train.checkpoint import CheckpointError
+    from .train.loop import TrainConfig, train
+
+    _threads()
+    try:
+        tables, ov = _tables(config, sets)
+        application = load_app(app)
+        store = ShardStore.open(data)
+        app_tables = {"app": {**store.manifest["app_config"], **tables.get("app", {})}}
+        app_cfg = load_section(application.config_cls, app_tables, "app", ov.get("app"))
+        cfg = load_section(TrainConfig, tables, "train", {
+            **ov.get("train", {}), "epochs": epochs, "batch_size": batch_size, "lr": lr,
+            "precision": precision, "device": device})
+        arrays = store.load()
+    except (ConfigError, KeyError, FileNotFoundError, ValueError) as err:
+        _fail(str(err).strip("'\""))
+    console.print(f"training {app} on {len(store)} samples from {data} -> {out} ({cfg.precision}, {cfg.device})")
+    try:
+        result = train(application, app_cfg, cfg, arrays, out, resume=resume,
+                       extra_config={"data": str(data), "data_manifest_sha256": sha256_file(Path(data) / "manifest.json")})
+    except CheckpointError as err:
+        _fail(str(err))
+    console.print(f"best {application.monitor.name} {result.best_value:.4f} at epoch {result.best_epoch + 1}; "
+                  f"{result.samples_seen} samples seen in {result.seconds:.0f} s"
+                  + ("; stopped early" if result.stopped_early else ""))
+
+
+@cli.command("evaluate")
+def evaluate_cmd(
+    app: str = typer.Argument(..., help="App name, e.g. gw."),
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory made by `converge train`."),
+    data: Path = typer.Option(..., "--data", "-d", help="Test dataset (simulated with another seed)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where evaluation.json and plots go (default RUN)."),
+    config: Optional[Path] = ConfigOpt,
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Surrogate against the classical baseline on a fixed test set; writes RUN/evaluation.json and PNGs."""
+    from .apps.base import load_app
+
+    _threads()
+    try:
+        tables, ov = _tables(config, sets)
+        application = load_app(app)
+        options = {}
+        if application.evaluate_config_cls is not None:
+            options["ev"] = load_section(application.evaluate_config_cls, tables, "evaluate", ov.get("evaluate"))
+        report = application.evaluate(run, data, out or run, **options)
+    except (ConfigError, KeyError, FileNotFoundError, ValueError) as err:
+        _fail(str(err).strip("'\""))
+    print(json.dumps(application.summary(report), indent=2))
+
+
+@cli.command("detect")
+def detect_cmd(
+    strain: Path = typer.Argument(..., help="Strain file in the GWOSC HDF5 layout (strain/Strain, meta/GPSstart)."),
+    run: Path = typer.Option(..., "--run", "-r", help="A trained gw run directory."),
+    threshold: Optional[float] = typer.Option(None, help="Trigger threshold on the CNN logit "
+                                              "(default: the run's FAP 1e-3 threshold from evaluation.json)."),
+    stride: float = typer.Option(0.125, help="Seconds between window starts."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Triggers JSON (default STRAIN.triggers.json)."),
+) -> None:
+    """Slide the gw CNN along a strain file: Welch PSD, whitening, triggers (GPS time, score)."""
+    from .apps.gw.detect import StrainFileError, detect_file
+
+    _threads()
+    try:
+        result = detect_file(strain, run, threshold=threshold, stride=stride, out=out)
+    except (StrainFileError, FileNotFoundError, ValueError) as err:
+        _fail(str(err))
+    for trig in result["triggers"]:
+        print(f"GPS {trig['gps_time']:.3f}  score {trig['score']:.2f}")
+    console.print(f"{len(result['triggers'])} trigger(s); {result['strain_seconds_per_second']:.0f} s of strain "
+                  f"per second; written to {result['out']}")
+
+
+@cli.command("demo")
+def demo_cmd(
+    out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Where everything is written."),
+    quick: bool = typer.Option(False, help="A much smaller run (a smoke test, about a minute)."),
+) -> None:
+    """simulate -> train -> evaluate -> detect for the gw app on small defaults (<= 10 min on 2 cores)."""
+    from .demo import run_demo
+
+    _threads()
+    run_demo(out, quick=quick)
+
+
+def main() -> None:
+    try:
+        cli()
+    except KeyboardInterrupt:
+        console.print("interrupted: rerun the same command to resume")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
