@@ -127,8 +127,13 @@ def train(
     resume: bool = False,
     progress: bool = True,
     extra_config: Mapping[str, Any] | None = None,
+    stop_after: int | None = None,
 ) -> TrainResult:
-    """Train ``app``'s model on stored ``arrays``; checkpoints and logs go to ``run_dir``."""
+    """Train ``app``'s model on stored ``arrays``; checkpoints and logs go to ``run_dir``.
+
+    ``stop_after`` ends the run after that many epochs in this call, as a kill
+    between epochs would (the schedule still spans ``cfg.epochs``).
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
@@ -166,11 +171,13 @@ def train(
     # Rewrite the log to exactly the finished epochs (a kill may have left a later line).
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     writer = _tensorboard(run_dir)
-    t0, stopped_early, epoch = time.perf_counter(), False, start_epoch - 1
+    t0, stopped_early, epochs_run = time.perf_counter(), False, 0
     with _progress(progress) as bar:
         for epoch in range(start_epoch, cfg.epochs):
             if bad_epochs >= cfg.patience:
                 stopped_early = True
+                break
+            if stop_after is not None and epoch - start_epoch >= stop_after:
                 break
             app.on_epoch_start(train_src, epoch, cfg.epochs)
             task = bar.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=steps_per_epoch, info="") if bar else None
@@ -188,10 +195,11 @@ def train(
                 scaler.update()
                 scheduler.step()
                 n = len(batch["input"])
-                loss_sum, n_sum = loss_sum + float(loss) * n, n_sum + n
+                loss_sum, n_sum = loss_sum + float(loss.detach()) * n, n_sum + n
                 if bar:
                     bar.update(task, advance=1, info=f"loss {loss_sum / n_sum:.4f}")
             samples_seen += n_sum
+            epochs_run += 1
             train_seconds = time.perf_counter() - t_epoch
             record = {"epoch": epoch, "train_loss": loss_sum / max(n_sum, 1), "lr": scheduler.get_last_lr()[0],
                       "samples_per_s": n_sum / train_seconds, "samples_seen": samples_seen,
@@ -224,7 +232,7 @@ def train(
     if writer:
         writer.close()
     return TrainResult(best_epoch=best_epoch, best_value=float(best_value if best_value is not None else math.nan),
-                       epochs_run=epoch + 1 - start_epoch, stopped_early=stopped_early,
+                       epochs_run=epochs_run, stopped_early=stopped_early,
                        seconds=time.perf_counter() - t0, samples_seen=samples_seen, history=history)
 
 

@@ -1,0 +1,83 @@
+"""The trainer: checkpoints round-trip bit for bit, --resume continues exactly."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from converge.apps.gw.app import GWApp
+from converge.apps.gw.config import GWConfig
+from converge.apps.gw.waveforms import sample_bbh_parameters, whitened_signal
+from converge.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from converge.train.loop import TrainConfig, load_model, train
+
+CFG = GWConfig(channels=(4, 4, 8), hidden=8)
+
+
+@pytest.fixture(scope="module")
+def arrays():
+    rng = np.random.default_rng(3)
+    return {"signal": np.stack([whitened_signal(CFG, sample_bbh_parameters(CFG, rng)) for _ in range(48)])}
+
+
+def small(**kw):
+    return TrainConfig(**{"epochs": 3, "batch_size": 16, "precision": "fp32", "patience": 10, **kw})
+
+
+def test_checkpoint_round_trip_gives_bit_identical_outputs(arrays, tmp_path):
+    app = GWApp()
+    train(app, CFG, small(epochs=1), arrays, tmp_path, progress=False)
+    model, _ = load_model(app, tmp_path, "last")
+    x = torch.randn(5, CFG.window_samples)
+    with torch.inference_mode():
+        before = model(x)
+    save_checkpoint(tmp_path / "copy.pt", {"model": model.state_dict(), "config": {"app": "gw",
+                    "app_config": json.loads(json.dumps(__import__("dataclasses").asdict(CFG)))}})
+    again, _ = load_model(app, tmp_path, "copy")
+    with torch.inference_mode():
+        assert torch.equal(before, again(x))
+
+
+def test_resume_continues_at_the_next_epoch_and_matches_an_uninterrupted_run(arrays, tmp_path):
+    app = GWApp()
+    full = train(app, CFG, small(), arrays, tmp_path / "full", progress=False)
+    # "killed" after two epochs: a run configured for 3 epochs that we stop by training only 2
+    train(app, CFG, small(epochs=3), arrays, tmp_path / "cut", progress=False, stop_after=2)
+    assert load_checkpoint(tmp_path / "cut" / "last.pt")["epoch"] == 1
+    resumed = train(app, CFG, small(), arrays, tmp_path / "cut", resume=True, progress=False)
+    assert resumed.epochs_run == 1 and [h["epoch"] for h in resumed.history] == [0, 1, 2]
+    a = load_checkpoint(tmp_path / "full" / "last.pt")["model"]
+    b = load_checkpoint(tmp_path / "cut" / "last.pt")["model"]
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert full.history[-1]["val_loss"] == pytest.approx(resumed.history[-1]["val_loss"], rel=0, abs=0)
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["epoch"] for x in lines] == [0, 1, 2]
+
+
+def test_training_learns_loud_signals(arrays, tmp_path):
+    cfg = GWConfig(channels=(8, 8, 16), hidden=16, snr_min=15.0, snr_max=30.0, curriculum_snr=15.0)
+    res = train(GWApp(), cfg, small(epochs=4, lr=3e-3), arrays, tmp_path, progress=False)
+    assert res.history[-1]["accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_on_cpu(arrays, tmp_path, precision):
+    res = train(GWApp(), CFG, small(epochs=1, precision=precision), arrays, tmp_path, progress=False)
+    assert np.isfinite(res.history[0]["train_loss"])
+
+
+def test_corrupt_and_foreign_checkpoints_are_refused(tmp_path, arrays):
+    bad = tmp_path / "last.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt or not a converge checkpoint"):
+        load_checkpoint(bad)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        train(GWApp(), CFG, small(), arrays, tmp_path / "empty", resume=True, progress=False)
+
+
+def test_resume_with_other_app_config_is_refused(arrays, tmp_path):
+    train(GWApp(), CFG, small(epochs=1), arrays, tmp_path, progress=False)
+    with pytest.raises(CheckpointError, match="different app_config"):
+        train(GWApp(), GWConfig(channels=(4, 4, 4), hidden=8), small(), arrays, tmp_path, resume=True,
+              progress=False)
