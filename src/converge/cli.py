@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from .config import ConfigError, check_sections, load_section, parse_overrides, read_toml
+from .data.store import StoreError
 
 SECTIONS = {"app", "simulate", "train", "evaluate", "detect"}
 console = Console(stderr=True)
@@ -90,7 +91,10 @@ def simulate_cmd(
             **ov.get("simulate", {}), "samples": samples, "seed": seed, "workers": workers, "shard_size": shard_size})
     except (ConfigError, KeyError) as err:
         _fail(str(err).strip("'\""))
-    result = run_ensemble(application, app_cfg, sim_cfg, out, progress=True, repair=repair)
+    try:
+        result = run_ensemble(application, app_cfg, sim_cfg, out, progress=True, repair=repair)
+    except StoreError as err:
+        _fail(str(err))
     console.print(f"{result.n_ok} samples stored in {out} ({result.shards_computed} shards computed, "
                   f"{result.shards_skipped} already complete)")
     if result.n_failed:
@@ -130,7 +134,7 @@ def train_cmd(
             **ov.get("train", {}), "epochs": epochs, "batch_size": batch_size, "lr": lr,
             "precision": precision, "device": device})
         arrays = store.load()
-    except (ConfigError, KeyError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, KeyError, FileNotFoundError, ValueError, StoreError) as err:
         _fail(str(err).strip("'\""))
     console.print(f"training {app} on {len(store)} samples from {data} -> {out} ({cfg.precision}, {cfg.device})")
     try:
@@ -154,6 +158,7 @@ def evaluate_cmd(
 ) -> None:
     """Surrogate against the classical baseline on a fixed test set; writes RUN/evaluation.json and PNGs."""
     from .apps.base import load_app
+    from .train.checkpoint import CheckpointError
 
     _threads()
     try:
@@ -163,7 +168,7 @@ def evaluate_cmd(
         if application.evaluate_config_cls is not None:
             options["ev"] = load_section(application.evaluate_config_cls, tables, "evaluate", ov.get("evaluate"))
         report = application.evaluate(run, data, out or run, **options)
-    except (ConfigError, KeyError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, KeyError, FileNotFoundError, ValueError, StoreError, CheckpointError) as err:
         _fail(str(err).strip("'\""))
     print(json.dumps(application.summary(report), indent=2))
 
@@ -179,11 +184,12 @@ def detect_cmd(
 ) -> None:
     """Slide the gw CNN along a strain file: Welch PSD, whitening, triggers (GPS time, score)."""
     from .apps.gw.detect import StrainFileError, detect_file
+    from .train.checkpoint import CheckpointError
 
     _threads()
     try:
         result = detect_file(strain, run, threshold=threshold, stride=stride, out=out)
-    except (StrainFileError, FileNotFoundError, ValueError) as err:
+    except (StrainFileError, FileNotFoundError, ValueError, CheckpointError) as err:
         _fail(str(err))
     for trig in result["triggers"]:
         print(f"GPS {trig['gps_time']:.3f}  score {trig['score']:.2f}")

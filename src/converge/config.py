@@ -82,10 +82,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], section: str = "") -> T:
             + ", ".join(sorted(fields))
         )
     kwargs = {name: _coerce(value, hints[name], prefix + name) for name, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:
-        raise ConfigError(f"{prefix}{err}") from None
+    return cls(**kwargs)  # __post_init__ raises ConfigError naming section.key
 
 
 def read_toml(path: str | Path | None) -> dict[str, Any]:

@@ -311,7 +311,11 @@ class ShardStore:
         if not self.writable:
             raise StoreError(f"{self.root} was opened read-only; use ShardStore.create_or_open to write")
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-        failures = sorted(_as_json(list(failures)), key=lambda f: f["index"])
+        failures = sorted(
+            ({"index": int(f["index"]), "error": str(f["error"]),
+              "params": {str(k): float(v) for k, v in (f.get("params") or {}).items()}} for f in failures),
+            key=lambda f: f["index"],
+        )
         self._check_coverage(shard_id, indices, [f["index"] for f in failures])
         arrays = self._check_arrays(arrays, len(indices))
         params = {str(k): np.asarray(v, dtype=np.float64).reshape(-1) for k, v in params.items()}
