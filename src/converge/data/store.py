@@ -9,23 +9,22 @@ Layout of a store directory ``DIR``::
 A shard file holds one dataset per array of the app's schema, stacked over the
 shard's successful samples (shape ``(n_ok,) + spec.shape``), ``index`` (their
 global sample indices, int64, ascending) and one float64 dataset per parameter
-under ``params/``. Samples that failed are absent from the file and listed, with
-their error and parameters, in the shard's manifest entry.
+under ``params/`` (see :mod:`converge.data.shard_file`). Samples that failed are
+absent from the file and listed, with their error and parameters, in the shard's
+manifest entry.
 
-Files are written atomically (temp file -> fsync -> re-read and hash -> rename),
-and the same content always gives the same bytes (no timestamps anywhere), so a
-run that was interrupted and resumed leaves exactly the files of one that was not.
+Files are written atomically (temp file -> fsync -> re-read and hash -> rename;
+see :mod:`converge.data.atomic`), and the same content always gives the same
+bytes (no timestamps anywhere), so a run that was interrupted and resumed leaves
+exactly the files of one that was not.
 The manifest records each shard's sha256; every read checks it. One process
 writes a store at a time.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
-import os
-import tempfile
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -34,12 +33,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import h5py
 import numpy as np
 
-FORMAT_VERSION = 1
+from .atomic import TEMP_SUFFIX, atomic_write_bytes, json_bytes, json_round_trip, sha256_bytes, sha256_file
+from .shard_file import FORMAT_VERSION, RESERVED_NAMES, encode_shard
+# Defined in .shard_file; still importable from here, where it was first.
+from .shard_file import CHUNK_BYTES  # noqa: F401
+
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
-TEMP_SUFFIX = ".tmp"
-CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: large enough for fast reads, small enough for partial ones
-RESERVED_NAMES = ("index", "params")  # datasets every shard has besides the schema's arrays
 # Keys that define the data: a store holding different values cannot be resumed.
 IDENTITY_KEYS = ("app", "app_config", "seed", "n_samples", "shard_size", "schema")
 HEADER_KEYS = IDENTITY_KEYS + ("simulate", "versions")
@@ -52,70 +52,6 @@ class StoreError(RuntimeError):
 
 class CorruptShardError(StoreError):
     """A shard file is missing or its bytes do not match the manifest's hash."""
-
-
-# -- files ------------------------------------------------------------------------
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> str:
-    """Write ``data`` to ``path`` atomically; return its sha256.
-
-    The bytes go to a temp file in the same directory, are flushed and fsynced,
-    read back and hashed, and only then renamed over ``path``; a crash at any
-    point leaves either the old file or the new one, never a torn one.
-    """
-    path = Path(path)
-    expected = sha256_bytes(data)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        found = sha256_file(temp_name)
-        if found != expected:
-            raise OSError(f"{path}: bytes read back do not match those written (disk or filesystem fault)")
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-    return expected
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename durable (directories cannot be opened for fsync on Windows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def json_bytes(obj: Any) -> bytes:
-    """Deterministic JSON (sorted keys, fixed indent, trailing newline)."""
-    return (json.dumps(obj, sort_keys=True, indent=2) + "\n").encode()
-
-
-def _as_json(obj: Any) -> Any:
-    """Normalise through JSON so tuples and lists compare equal."""
-    return json.loads(json.dumps(obj, sort_keys=True))
 
 
 # -- provenance -------------------------------------------------------------------
@@ -141,39 +77,6 @@ def schema_to_json(schema: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 # -- shard files ------------------------------------------------------------------
 def shard_file_name(shard_id: int) -> str:
     return f"{SHARD_DIR}/shard-{shard_id:05d}.h5"
-
-
-def encode_shard(
-    shard_id: int,
-    arrays: Mapping[str, np.ndarray],
-    params: Mapping[str, np.ndarray],
-    indices: np.ndarray,
-) -> bytes:
-    """The HDF5 bytes of one shard; equal inputs give equal bytes."""
-    buffer = io.BytesIO()
-    # Pinned file-format versions and untracked times make the bytes reproducible.
-    with h5py.File(buffer, "w", libver=("earliest", "v110")) as handle:
-        handle.attrs["shard"] = shard_id
-        handle.attrs["format_version"] = FORMAT_VERSION
-        _write_dataset(handle, "index", np.asarray(indices, dtype=np.int64))
-        for name in sorted(arrays):
-            _write_dataset(handle, name, arrays[name])
-        group = handle.create_group("params")
-        for name in sorted(params):
-            _write_dataset(group, name, np.asarray(params[name], dtype=np.float64))
-    return buffer.getvalue()
-
-
-def _write_dataset(parent: h5py.Group, name: str, data: np.ndarray) -> None:
-    row_bytes = max(1, int(np.prod(data.shape[1:], dtype=np.int64)) * data.dtype.itemsize)
-    if len(data) == 0:  # a chunk may not exceed the data, so an empty dataset is made growable
-        parent.create_dataset(
-            name, shape=data.shape, dtype=data.dtype, chunks=(1,) + data.shape[1:],
-            maxshape=(None,) + data.shape[1:], track_times=False,
-        )
-        return
-    rows = min(len(data), max(1, CHUNK_BYTES // row_bytes))
-    parent.create_dataset(name, data=data, chunks=(rows,) + data.shape[1:], track_times=False)
 
 
 # -- the store --------------------------------------------------------------------
@@ -469,7 +372,7 @@ def _check_header(header: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in HEADER_KEYS if k not in header]
     if missing:
         raise ValueError(f"store header lacks {missing}; it needs {list(HEADER_KEYS)}")
-    header = _as_json({k: header[k] for k in HEADER_KEYS})
+    header = json_round_trip({k: header[k] for k in HEADER_KEYS})
     if header["n_samples"] < 1 or header["shard_size"] < 1:
         raise ValueError("store header: n_samples and shard_size must be >= 1")
     clash = [n for n in header["schema"] if n in RESERVED_NAMES or "/" in n]

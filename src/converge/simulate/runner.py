@@ -11,20 +11,16 @@ A sample that raises is tried ``retries`` more times, then recorded as a failure
 (``"ExceptionType: message"`` with its parameters); its shard is written with the
 other samples. A worker that dies (killed, out of memory, a crash in native code)
 breaks the pool: the pool is made afresh and the samples it was running are run
-again (see :class:`RetryQueue` for how the one that killed it is found and charged).
+again (see :class:`~converge.simulate.pool.RetryQueue` for how the one that killed
+it is found and charged).
 """
 from __future__ import annotations
 
-import multiprocessing
-import os
 import pickle
-from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 from rich.console import Console
@@ -34,14 +30,13 @@ from rich.text import Text
 
 from ..config import ConfigError, to_dict
 from ..data.store import CorruptShardError, ShardStore, package_versions, schema_to_json
-
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-TASKS_PER_WORKER = 2  # in flight per worker: keeps workers busy, bounds memory and what a crash costs
-DEATHS_BEFORE_GIVING_UP = 3  # samples in a row whose worker died: the workers cannot run at all
-WORKER_DIED = (
-    "BrokenProcessPool: a worker process died while running this sample "
-    "(killed, out of memory, or a crash in native code)"
+from .pool import (
+    RetryQueue, SampleOutcome, count_deaths, describe, make_pool, one_thread_per_worker, task_outcome, worker_died,
 )
+# Defined in .pool; still importable from here, where they were first.
+from .pool import DEATHS_BEFORE_GIVING_UP, THREAD_VARIABLES, WORKER_DIED  # noqa: F401
+
+TASKS_PER_WORKER = 2  # in flight per worker: keeps workers busy, bounds memory and what a crash costs
 
 
 @dataclass(frozen=True)
@@ -92,16 +87,6 @@ class EnsembleResult(NamedTuple):
         return not self.missing_ids
 
 
-class SampleOutcome(NamedTuple):
-    """What one task gives back: arrays, or an error and whether to try again."""
-
-    index: int
-    params: dict[str, float] | None
-    arrays: dict[str, np.ndarray] | None
-    error: str | None = None
-    retry: bool = False
-
-
 class ShardContent(NamedTuple):
     """One shard's outcomes, stacked for :meth:`ShardStore.write_shard`."""
 
@@ -143,22 +128,7 @@ def check_arrays(arrays: Any, schema: Mapping[str, Mapping[str, Any]]) -> dict[s
     return out
 
 
-def describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
-
-
 _WORKER_APPS: dict[type, Any] = {}  # one app instance per class and worker process
-
-
-def _init_worker() -> None:
-    """One thread per worker: the pool already uses every core."""
-    for variable in THREAD_VARIABLES:
-        os.environ[variable] = "1"
-    try:
-        import torch
-    except ImportError:
-        return
-    torch.set_num_threads(1)
 
 
 def simulate_sample(
@@ -177,53 +147,6 @@ def simulate_sample(
     except Exception as err:
         return SampleOutcome(index, params, None, describe(err), retry=True)
     return SampleOutcome(index, params, arrays)
-
-
-# -- scheduling -------------------------------------------------------------------------
-class RetryQueue:
-    """Which sample runs next, and whether a failed one gets another try.
-
-    New samples come from ``pending``; failed ones run again, before new ones,
-    while they have retries left. When a worker dies with several samples
-    running, the culprit is unknown: those samples become uncharged *suspects*
-    and run one at a time (``exclusive``), so that the next death names its
-    sample, which is charged a retry. An innocent sample is never charged.
-    """
-
-    def __init__(self, pending: Iterator[int], retries: int) -> None:
-        self.pending = pending
-        self.retries = retries
-        self.again: deque[int] = deque()
-        self.suspects: deque[int] = deque()
-        self.on_trial: int | None = None  # the suspect running alone
-        self.attempts: dict[int, int] = {}
-
-    @property
-    def exclusive(self) -> bool:
-        return bool(self.suspects) or self.on_trial is not None
-
-    def next(self) -> int | None:
-        if self.suspects:
-            self.on_trial = self.suspects.popleft()
-            return self.on_trial
-        return self.again.popleft() if self.again else next(self.pending, None)
-
-    def settle(self, outcome: SampleOutcome, culprit_known: bool) -> bool:
-        """True if ``outcome`` is final; False if its sample was queued to run again."""
-        if outcome.index == self.on_trial:
-            self.on_trial = None
-        if outcome.error is None or not outcome.retry:
-            return True
-        died = outcome.error == WORKER_DIED
-        if died and not culprit_known:
-            self.suspects.append(outcome.index)
-            return False
-        used = self.attempts.get(outcome.index, 0)
-        if used >= self.retries:
-            return True
-        self.attempts[outcome.index] = used + 1
-        (self.suspects if died else self.again).append(outcome.index)
-        return False
 
 
 def assemble_shard(outcomes: Mapping[int, SampleOutcome], schema: Mapping[str, Mapping[str, Any]]) -> ShardContent:
@@ -328,8 +251,10 @@ def _compute_shards(
     by_shard: dict[int, dict[int, SampleOutcome]] = {}
     in_flight: dict[Future, int] = {}
     deaths: list[int] = []
-    with _one_thread_per_worker():
-        pool = _make_pool(sim_cfg.workers, type(app).__module__)
+    # torch (through apps.base) is the slow import of nearly every app; no effect once the server runs
+    preload = (__name__, "converge.apps.base", type(app).__module__)
+    with one_thread_per_worker():
+        pool = make_pool(sim_cfg.workers, preload)
         try:
             while True:
                 limit = 1 if queue.exclusive else TASKS_PER_WORKER * sim_cfg.workers
@@ -340,17 +265,17 @@ def _compute_shards(
                     return
                 done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                 culprit_known = True
-                if any(_worker_died(task) for task in done):
+                if any(worker_died(task) for task in done):
                     wait(in_flight)  # a dead worker fails every unfinished task of the pool
                     done = set(in_flight)
-                    culprit_known = sum(_worker_died(task) for task in done) == 1
+                    culprit_known = sum(worker_died(task) for task in done) == 1
                     pool.shutdown(wait=True)
-                    pool = _make_pool(sim_cfg.workers, type(app).__module__)
+                    pool = make_pool(sim_cfg.workers, preload)
                 for task in sorted(done, key=in_flight.__getitem__):  # by index: a reproducible order
-                    outcome = _outcome(task, in_flight.pop(task))
+                    outcome = task_outcome(task, in_flight.pop(task))
                     if not queue.settle(outcome, culprit_known):
                         continue
-                    deaths = _count_deaths(deaths, outcome)
+                    deaths = count_deaths(deaths, outcome)
                     if outcome.error is not None and outcome.params is None:
                         params = _parameters_or_none(app, app_cfg, sim_cfg.seed, outcome.index)
                         outcome = outcome._replace(params=params)
@@ -363,71 +288,12 @@ def _compute_shards(
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _count_deaths(deaths: list[int], outcome: SampleOutcome) -> list[int]:
-    """Samples given up on in a row because their worker died; too many means workers cannot run."""
-    deaths = deaths + [outcome.index] if outcome.error == WORKER_DIED else []
-    if len(deaths) >= DEATHS_BEFORE_GIVING_UP:
-        raise RuntimeError(
-            f"worker processes died on samples {deaths} in a row and finished none; if they die at start-up, "
-            "check that the app's module imports in a fresh Python process (and that a script calling "
-            "run_ensemble guards it with `if __name__ == '__main__':`)"
-        )
-    return deaths
-
-
-def _worker_died(task: Future) -> bool:
-    return isinstance(task.exception(), BrokenProcessPool)
-
-
-def _outcome(task: Future, index: int) -> SampleOutcome:
-    error = task.exception()
-    if error is None:
-        return task.result()
-    if isinstance(error, BrokenProcessPool):
-        return SampleOutcome(index, None, None, WORKER_DIED, retry=True)
-    if isinstance(error, KeyboardInterrupt):  # Ctrl-C reached the workers too: stop, keeping written shards
-        raise KeyboardInterrupt
-    return SampleOutcome(index, None, None, describe(error), retry=True)  # e.g. a result that cannot be pickled
-
-
 def _parameters_or_none(app: Any, app_cfg: Any, seed: int, index: int) -> dict[str, float] | None:
     """Parameters for the failure record of a sample whose worker died."""
     try:
         return draw_parameters(app, app_cfg, seed, index)
     except Exception:
         return None
-
-
-def _make_pool(workers: int, app_module: str) -> ProcessPoolExecutor:
-    """A pool that never forks a process holding threads (torch, OpenMP) directly.
-
-    With forkserver, a server process imports the runner, torch and the app's
-    module once (if it can: Python 3.11's server ignores sys.path additions);
-    each worker is forked from it and starts fast, which keeps making the pool
-    afresh after a worker died cheap.
-    """
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        # torch (through apps.base) is the slow import of nearly every app; no effect once the server runs
-        context.set_forkserver_preload(sorted({__name__, "converge.apps.base", app_module}))
-    else:
-        context = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker)
-
-
-@contextmanager
-def _one_thread_per_worker() -> Iterator[None]:
-    """Workers inherit the environment, and numpy's BLAS reads it when loaded: 1 thread meanwhile."""
-    saved = {variable: os.environ.get(variable) for variable in THREAD_VARIABLES}
-    os.environ.update({variable: "1" for variable in THREAD_VARIABLES})
-    try:
-        yield
-    finally:
-        for variable, value in saved.items():
-            if value is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = value
 
 
 def _check_importable(app_cls: type) -> None:

@@ -38,7 +38,7 @@ class GWEvalConfig:
     roc_snrs: tuple[float, ...] = (6, 8, 10)
     seed: int = 20181
     batch_size: int = 256
-    precision: str = "fp32"
+    precision: str = "bf16"  # CNN inference; the head is fp32 (see model.py)
 
     def __post_init__(self) -> None:
         for fap in self.faps:

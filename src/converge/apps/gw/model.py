@@ -60,4 +60,7 @@ class DetectionCNN(nn.Module):
         x = strain.unsqueeze(1)  # (B, 1, N)
         h = self.features(x)  # (B, C, N/64)
         pooled = torch.cat([h.amax(dim=-1), h.mean(dim=-1)], dim=-1)  # (B, 2C)
-        return self.head(pooled).squeeze(-1)  # (B,)
+        # The head runs in fp32 even under bf16 autocast: a bf16 logit keeps only
+        # ~3 significant digits, which would tie scores at low false-alarm rates.
+        with torch.autocast(device_type=strain.device.type, enabled=False):
+            return self.head(pooled.float()).squeeze(-1)  # (B,)
