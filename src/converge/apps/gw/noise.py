@@ -22,21 +22,25 @@ from torch import nn
 ArrayLike = TypeVar("ArrayLike", np.ndarray, torch.Tensor)
 
 
-def whitening_factor(psd: np.ndarray, sample_rate: float, n_samples: int) -> np.ndarray:
+def whitening_factor(psd: ArrayLike, sample_rate: float, n_samples: int) -> ArrayLike:
     """Per-bin whitening gain ``1 / sqrt(S(f) fs / 2)`` [Hz^-1/2 · s^1/2], shape ``(n_samples // 2 + 1,)``.
 
     Zero at DC, at the Nyquist bin when ``n_samples`` is even, and wherever ``S``
-    is infinite, NaN or non-positive.
+    is infinite, NaN or non-positive. A torch ``psd`` gives a tensor on its device.
     """
-    psd = np.asarray(psd, dtype=np.float64)
-    if psd.shape != (n_samples // 2 + 1,):
+    if tuple(psd.shape) != (n_samples // 2 + 1,):
         raise ValueError(
-            f"PSD has {psd.shape} bins but a series of {n_samples} samples needs "
+            f"PSD has {tuple(psd.shape)} bins but a series of {n_samples} samples needs "
             f"{n_samples // 2 + 1}; build it on np.fft.rfftfreq({n_samples}, 1/fs)"
         )
-    factor = np.zeros_like(psd)
-    good = np.isfinite(psd) & (psd > 0)
-    factor[good] = 1.0 / np.sqrt(psd[good] * sample_rate / 2.0)
+    if isinstance(psd, torch.Tensor):
+        good = torch.isfinite(psd) & (psd > 0)
+        factor = torch.where(good, 1.0 / torch.sqrt(torch.where(good, psd, 1.0) * (sample_rate / 2.0)), 0.0)
+    else:
+        psd = np.asarray(psd, dtype=np.float64)
+        good = np.isfinite(psd) & (psd > 0)
+        factor = np.zeros_like(psd)
+        factor[good] = 1.0 / np.sqrt(psd[good] * sample_rate / 2.0)
     factor[0] = 0.0
     if n_samples % 2 == 0:
         factor[-1] = 0.0
@@ -51,14 +55,17 @@ def apply_whitening(x: ArrayLike, factor: np.ndarray | torch.Tensor) -> ArrayLik
     """
     n = x.shape[-1]
     if isinstance(x, torch.Tensor):
-        f = torch.as_tensor(factor, device=x.device)
-        f = f.to(x.dtype if x.is_floating_point() else torch.float32)
+        x = x if x.is_floating_point() else x.to(torch.float32)
+        f = torch.as_tensor(factor, device=x.device).to(x.dtype)
         return torch.fft.irfft(torch.fft.rfft(x, dim=-1) * f, n=n, dim=-1)
+    if isinstance(factor, torch.Tensor):
+        factor = factor.detach().cpu().numpy()
     return np.fft.irfft(np.fft.rfft(x, axis=-1) * factor, n=n, axis=-1)
 
 
-def whiten(x: ArrayLike, psd: np.ndarray, sample_rate: float) -> ArrayLike:
-    """Whiten ``x`` (shape ``(..., N)``, numpy or torch) with the one-sided PSD ``psd`` (``N // 2 + 1`` bins).
+def whiten(x: ArrayLike, psd: np.ndarray | torch.Tensor, sample_rate: float) -> ArrayLike:
+    """Whiten ``x`` (shape ``(..., N)``, numpy or torch) with the one-sided PSD ``psd`` (``N // 2 + 1`` bins,
+    numpy or torch).
 
     See the module docstring for the formula; the output has ``x``'s type and shape.
     """

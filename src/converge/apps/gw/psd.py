@@ -25,7 +25,8 @@ def design_psd(name: str, n_samples: int, sample_rate: float, f_lower: float) ->
 
     The curve is LALSimulation's ``SimNoisePSD<name>`` (e.g. ``aLIGOZeroDetHighPower``,
     LIGO-T0900288) evaluated through ``pycbc.psd.from_string``. Bins with
-    ``f < f_lower`` (DC included) and any non-positive values are set to ``np.inf``.
+    ``f < f_lower`` (DC included) and any non-positive values, among them the Nyquist
+    bin that LALSimulation leaves at zero, are set to ``np.inf``.
 
     Returns a read-only float64 array of shape ``(n_samples // 2 + 1,)``; it is
     cached per argument set, so copy it before modifying.

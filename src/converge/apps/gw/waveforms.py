@@ -29,7 +29,8 @@ from .psd import design_psd
 
 REFERENCE_GPS_TIME = 1187008882.4  # GW170817's merger time: an arbitrary fixed epoch for antenna patterns
 DEFAULT_DISTANCE_MPC = 1.0  # amplitude is irrelevant once whitened signals are normalised
-TAPER_S = 0.2  # half-Hann taper [s] applied where projected_strain cuts the early inspiral
+TAPER_S = 0.2  # half-Hann taper [s] where projected_strain cuts the waveform
+POST_MERGER_S = 0.5  # projected_strain keeps this much after the merger (ringdown long decayed)
 
 
 def segment_samples(cfg: GWConfig) -> int:
@@ -105,15 +106,22 @@ def fd_detector_strain(
     return fplus * hp + fcross * hc
 
 
-def whitened_span(cfg: GWConfig, strain_fd: np.ndarray, psd: np.ndarray | None = None) -> np.ndarray:
+def whitened_span(
+    cfg: GWConfig,
+    strain_fd: np.ndarray,
+    psd: np.ndarray | None = None,
+    before: int | None = None,
+    after: int | None = None,
+) -> np.ndarray:
     """Whiten a frequency-domain strain over the whole segment and return the stored span.
 
     ``w = irfft(h(f) fs / sqrt(S fs / 2))`` over ``n = segment * fs`` samples (``fs h(f)`` is
-    the DFT of the sampled signal), then the samples ``t = (j - merger_index) / fs`` for
-    ``j = 0 .. stored_samples - 1``, with ``t = 0`` the FD coalescence time (taken
-    circularly). ``sum w^2`` over the whole segment is ``4 ∫ |h|^2 / S df``.
+    the DFT of the sampled signal), then the ``before + after`` samples at
+    ``t = -before / fs .. (after - 1) / fs``, with ``t = 0`` the FD coalescence time (taken
+    circularly); the defaults ``before = merger_index``, ``after = stored_samples - merger_index``
+    give the stored span. ``sum w^2`` over the whole segment is ``4 ∫ |h|^2 / S df``.
     ``psd`` (one-sided, on the segment's rfft grid) defaults to ``cfg.psd``.
-    Returns float64, shape ``(stored_samples,)``.
+    Returns float64, shape ``(before + after,)``.
     """
     n = segment_samples(cfg)
     if psd is None:
@@ -121,7 +129,10 @@ def whitened_span(cfg: GWConfig, strain_fd: np.ndarray, psd: np.ndarray | None =
     else:
         gain = whitening_factor(psd, cfg.sample_rate, n)
     white = np.fft.irfft(strain_fd * (cfg.sample_rate * gain), n=n)
-    before, after = cfg.merger_index, cfg.stored_samples - cfg.merger_index
+    before = cfg.merger_index if before is None else before
+    after = cfg.stored_samples - cfg.merger_index if after is None else after
+    if not (0 <= before <= n and 0 <= after <= n - before):
+        raise ValueError(f"whitened_span: before={before}, after={after} do not fit a segment of {n} samples")
     return np.concatenate([white[n - before:], white[:after]])
 
 
@@ -171,9 +182,9 @@ def projected_strain(
 
     Time domain from ``cfg.f_lower`` via ``pycbc.waveform.get_td_waveform`` (LALSimulation's
     conditioned ``SimInspiralTD``), sampled at ``sample_rate``. Returns
-    ``(times [s] relative to the merger t = 0, strain)``, float64, at most
-    ``round(duration * sample_rate)`` samples: a longer waveform keeps its last samples
-    (merger and ringdown included) and its cut start gets a ``TAPER_S`` half-Hann taper.
+    ``(times [s] relative to the merger t = 0, strain)``, float64, ending at most
+    ``POST_MERGER_S`` after the merger and at most ``round(duration * sample_rate)`` samples
+    long (a longer inspiral is cut); each cut end gets a ``TAPER_S`` half-Hann taper.
     """
     from pycbc.waveform import get_td_waveform
 
@@ -196,9 +207,14 @@ def projected_strain(
     )
     strain = fplus * hp.numpy() + fcross * hc.numpy()
     times = float(hp.start_time) + np.arange(len(strain)) / sample_rate
-    keep = int(round(duration * sample_rate))
-    if len(strain) > keep:
-        strain, times = strain[-keep:].copy(), times[-keep:]
-        n_taper = min(int(round(TAPER_S * sample_rate)), keep // 4)
-        strain[:n_taper] *= np.sin(0.5 * np.pi * np.arange(n_taper) / n_taper) ** 2
+    # LAL's FD->TD conditioning pads long after the merger; keep POST_MERGER_S of it.
+    stop = int(np.searchsorted(times, POST_MERGER_S, side="right"))
+    start = max(0, stop - int(round(duration * sample_rate)))
+    n_taper = min(int(round(TAPER_S * sample_rate)), (stop - start) // 4)
+    ramp = np.sin(0.5 * np.pi * np.arange(n_taper) / max(n_taper, 1)) ** 2
+    strain, times = strain[start:stop].copy(), times[start:stop]
+    if start > 0:
+        strain[:n_taper] *= ramp
+    if stop < len(hp) and n_taper > 0:
+        strain[-n_taper:] *= ramp[::-1]
     return times, strain
