@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +31,9 @@ console = Console()
 
 @dataclass(frozen=True)
 class DemoSize:
-    train_samples: int = 3000
+    train_samples: int = 8000
     test_samples: int = 300
-    epochs: int = 8
+    epochs: int = 10
     n_noise: int = 10_000
     n_per_snr: int = 200
     faps: tuple[float, ...] = (1e-2, 1e-3)

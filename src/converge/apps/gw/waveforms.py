@@ -58,6 +58,18 @@ def antenna_pattern(detector: str, ra: float, dec: float, polarization: float, g
     return float(fplus), float(fcross)
 
 
+def source_arguments(cfg: GWConfig, params: Mapping[str, float], distance_mpc: float) -> dict[str, float | str]:
+    """PyCBC waveform arguments of one source: approximant, masses, orientation, distance (zero spins)."""
+    return {
+        "approximant": cfg.approximant,
+        "mass1": float(params["mass1"]),
+        "mass2": float(params["mass2"]),
+        "inclination": float(params.get("inclination", 0.0)),
+        "coa_phase": float(params.get("coa_phase", 0.0)),
+        "distance": distance_mpc,
+    }
+
+
 def fd_polarizations(
     cfg: GWConfig, params: Mapping[str, float], distance_mpc: float = DEFAULT_DISTANCE_MPC
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -70,12 +82,7 @@ def fd_polarizations(
     from pycbc.waveform import get_fd_waveform
 
     hp, hc = get_fd_waveform(
-        approximant=cfg.approximant,
-        mass1=float(params["mass1"]),
-        mass2=float(params["mass2"]),
-        inclination=float(params.get("inclination", 0.0)),
-        coa_phase=float(params.get("coa_phase", 0.0)),
-        distance=distance_mpc,
+        **source_arguments(cfg, params, distance_mpc),
         delta_f=1.0 / cfg.segment,
         f_lower=cfg.f_lower,
         f_final=cfg.sample_rate / 2.0,
@@ -189,12 +196,7 @@ def projected_strain(
     from pycbc.waveform import get_td_waveform
 
     hp, hc = get_td_waveform(
-        approximant=cfg.approximant,
-        mass1=float(params["mass1"]),
-        mass2=float(params["mass2"]),
-        inclination=float(params.get("inclination", 0.0)),
-        coa_phase=float(params.get("coa_phase", 0.0)),
-        distance=distance_mpc,
+        **source_arguments(cfg, params, distance_mpc),
         delta_t=1.0 / sample_rate,
         f_lower=cfg.f_lower,
     )
