@@ -42,7 +42,7 @@ class ArraySpec:
 
 
 class BatchSource(Protocol):
-    """What the trainer iterates: batches of tensors, reproducible per epoch.
+    """What the trainer iterates: batches (dicts of tensors), reproducible per epoch.
 
     ``batches`` must depend only on (the source's seed, ``epoch``, ``rank``,
     ``world``) so a resumed run sees exactly the data an uninterrupted one would;
@@ -55,7 +55,7 @@ class BatchSource(Protocol):
     def batches(
         self, epoch: int, batch_size: int, rank: int = 0, world: int = 1
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield dicts of tensors; ``"input"`` is what the model takes."""
+        """Yield dicts of tensors (by default the model takes ``batch["input"]``)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class App(ABC):
     monitor: ClassVar[Monitor]
     packages: ClassVar[tuple[str, ...]] = ()  # distributions whose versions go in manifests
     evaluate_config_cls: ClassVar[type | None] = None  # the [evaluate] table, if the app has one
+    grad_at_inference: ClassVar[bool] = False  # outputs need autograd (e.g. forces = -dE/dr)
 
     # -- simulate -----------------------------------------------------------------
     @abstractmethod
@@ -104,14 +105,16 @@ class App(ABC):
     ) -> tuple[BatchSource, BatchSource]:
         """(train, validation) batch sources over the stored ``arrays``."""
 
+    def forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> Any:
+        """The model's output on a batch (a tensor or a NamedTuple of tensors), in float32."""
+        return model(batch["input"]).float()
+
     @abstractmethod
-    def loss(self, output: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, output: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Scalar training loss of a model output on a batch."""
 
     @abstractmethod
-    def metrics(
-        self, outputs: torch.Tensor, batches: Mapping[str, torch.Tensor]
-    ) -> dict[str, float]:
+    def metrics(self, outputs: Any, batches: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Validation metrics from all outputs and the concatenated batches."""
 
     def on_epoch_start(self, train_source: BatchSource, epoch: int, epochs: int) -> None:

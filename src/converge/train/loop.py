@@ -96,17 +96,35 @@ def evaluate_source(
     """Loss and app metrics of ``model`` over a whole (fixed) source."""
     model.eval()
     outputs, batches, losses, counts = [], [], [], []
-    with torch.inference_mode(), autocast_context(device, cfg.precision):
+    # Apps whose outputs are derivatives (forces = -dE/dr) need autograd at inference.
+    grad_mode = torch.enable_grad() if app.grad_at_inference else torch.inference_mode()
+    with grad_mode, autocast_context(device, cfg.precision):
         for batch in source.batches(0, cfg.batch_size):
             batch = to_device(batch, device)
-            out = model(batch["input"]).float()
-            losses.append(float(app.loss(out, batch)) * len(out))
-            counts.append(len(out))
-            outputs.append(out.cpu())
+            out = detach_output(app.forward(model, batch))
+            n = len(next(iter(batch.values())))
+            losses.append(float(app.loss(out, batch)) * n)
+            counts.append(n)
+            outputs.append(detach_output(out, cpu=True))
             batches.append({k: v.cpu() for k, v in batch.items() if k != "input"})
     merged = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-    metrics = app.metrics(torch.cat(outputs), merged)
+    metrics = app.metrics(concat_outputs(outputs), merged)
     return {"val_loss": sum(losses) / sum(counts), **metrics}
+
+
+def detach_output(out: Any, cpu: bool = False) -> Any:
+    """Detach a tensor or a NamedTuple of tensors (optionally moving it to the CPU)."""
+    if isinstance(out, torch.Tensor):
+        out = out.detach()
+        return out.cpu() if cpu else out
+    return type(out)(*(detach_output(o, cpu) for o in out))
+
+
+def concat_outputs(outputs: list[Any]) -> Any:
+    """Concatenate per-batch outputs (tensors, or NamedTuples of tensors) along the batch axis."""
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs)
+    return type(outputs[0])(*(torch.cat(parts) for parts in zip(*outputs)))
 
 
 def _progress(enabled: bool):
@@ -186,7 +204,7 @@ def train(
             for batch in train_src.batches(epoch, cfg.batch_size):
                 batch = to_device(batch, device)
                 with autocast_context(device, cfg.precision):
-                    loss = app.loss(model(batch["input"]).float(), batch)
+                    loss = app.loss(app.forward(model, batch), batch)
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
@@ -194,7 +212,7 @@ def train(
                 scaler.step(optimizer)
                 scaler.update()
                 scheduler.step()
-                n = len(batch["input"])
+                n = len(next(iter(batch.values())))
                 loss_sum, n_sum = loss_sum + float(loss.detach()) * n, n_sum + n
                 if bar:
                     bar.update(task, advance=1, info=f"loss {loss_sum / n_sum:.4f}")
