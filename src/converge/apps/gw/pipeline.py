@@ -8,7 +8,6 @@ scaled to. Fixed sources (validation, test) draw the same numbers every epoch.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator
@@ -16,15 +15,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ...data.sources import stream_seed
 from .config import GWConfig
 from .noise import whiten
 from .psd import design_psd
-
-
-def stream_seed(*parts: int) -> int:
-    """A 63-bit seed from integers, stable across processes and platforms."""
-    digest = hashlib.sha256(np.asarray(parts, dtype=np.int64).tobytes()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def colored_noise_torch(psd: torch.Tensor, n: int, batch: int, sample_rate: float, g: torch.Generator) -> torch.Tensor:
