@@ -30,7 +30,7 @@ def test_unknown_section_is_refused():
 
 
 @pytest.mark.parametrize("section,cls,data,message", [
-    ("train", TrainConfig, {"precision": "fp8"}, r"train\.precision='fp8': choose one of bf16, fp16, fp32"),
+    ("train", TrainConfig, {"precision": "fp8"}, r"train\.precision=.fp8.: choose one of auto, bf16, fp16, fp32"),
     ("train", TrainConfig, {"epochs": "many"}, r"train\.epochs: expected an integer"),
     ("train", TrainConfig, {"epochs": 0}, r"train\.epochs=0: must be >= 1"),
     ("app", GWConfig, {"detector": "V1"}, r"app\.detector='V1': choose one of H1, L1"),

@@ -111,7 +111,7 @@ def train_cmd(
     epochs: Optional[int] = typer.Option(None, help="Training epochs."),
     batch_size: Optional[int] = typer.Option(None, help="Batch size."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate of the one-cycle schedule."),
-    precision: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32 (autocast; fp16 uses a GradScaler)."),
+    precision: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32: autocast precision (auto = the app default, measured: gw bf16, chem fp32; fp16 uses a GradScaler)."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N."),
     resume: bool = typer.Option(False, help="Continue from OUT/last.pt at the next epoch."),
     config: Optional[Path] = ConfigOpt,

@@ -80,6 +80,7 @@ class App(ABC):
     packages: ClassVar[tuple[str, ...]] = ()  # distributions whose versions go in manifests
     evaluate_config_cls: ClassVar[type | None] = None  # the [evaluate] table, if the app has one
     grad_at_inference: ClassVar[bool] = False  # outputs need autograd (e.g. forces = -dE/dr)
+    default_precision: ClassVar[str] = "fp32"  # training precision chosen by measurement per app
 
     # -- simulate -----------------------------------------------------------------
     @abstractmethod
@@ -116,6 +117,9 @@ class App(ABC):
     @abstractmethod
     def metrics(self, outputs: Any, batches: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Validation metrics from all outputs and the concatenated batches."""
+
+    def fit_to_data(self, model: nn.Module, train_source: BatchSource) -> None:
+        """Set data-derived constants of a fresh model (e.g. self-energies) before training."""
 
     def on_epoch_start(self, train_source: BatchSource, epoch: int, epochs: int) -> None:
         """Hook for curricula: adjust the training source before an epoch."""

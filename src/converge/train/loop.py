@@ -13,7 +13,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,7 +37,7 @@ class TrainConfig:
     weight_decay: float = 1e-4
     warmup_fraction: float = 0.1
     grad_clip: float = 1.0
-    precision: str = "bf16"
+    precision: str = "auto"  # the app's measured default (gw: bf16, chem: fp32)
     device: str = "auto"
     val_fraction: float = 0.1
     patience: int = 4
@@ -50,8 +50,8 @@ class TrainConfig:
             raise ConfigError(f"train.batch_size={self.batch_size}: must be >= 1")
         if not self.lr > 0:
             raise ConfigError(f"train.lr={self.lr}: must be > 0, e.g. 0.001")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"train.precision={self.precision!r}: choose one of bf16, fp16, fp32")
+        if self.precision != "auto" and self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision={self.precision!r}: choose one of auto, bf16, fp16, fp32")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"train.device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if not 0 < self.val_fraction < 1:
@@ -154,12 +154,16 @@ def train(
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.precision == "auto":
+        cfg = replace(cfg, precision=app.default_precision)
     device = resolve_device(cfg.device)
     config = {"app": app.name, "app_config": to_dict(app_cfg), "train": to_dict(cfg), **(extra_config or {})}
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
     model = app.make_model(app_cfg).to(device)
     train_src, val_src = app.make_datasets(app_cfg, arrays, cfg.seed, cfg.val_fraction)
+    if not resume:
+        app.fit_to_data(model, train_src)  # e.g. per-element self-energies; restored from the checkpoint on resume
     steps_per_epoch = math.ceil(len(train_src) / cfg.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(

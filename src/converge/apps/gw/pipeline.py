@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from ...data.sources import stream_seed
