@@ -34,6 +34,8 @@ HARTREE_TO_KCAL_MOL = HARTREE_J * AVOGADRO_PER_MOL / KCAL_J  # 627.509474063 (kc
 EV_TO_KCAL_MOL = HARTREE_TO_KCAL_MOL / HARTREE_TO_EV  # 23.0605478 (kcal/mol) per eV
 BOHR_TO_ANGSTROM = BOHR_M / ANGSTROM_M  # 0.529177210903 Å per bohr
 BOLTZMANN_HARTREE_PER_K = BOLTZMANN_J_PER_K / HARTREE_J  # k_B = 3.166811563e-6 E_h/K
+# force constant: 1 mdyn/Å = 1e-8 N / 1e-10 m = 100 N/m = 100 J/m² (Gaussian's unit) -> E_h/Å²
+MDYN_PER_ANGSTROM_TO_HARTREE_PER_ANGSTROM2 = 100.0 * ANGSTROM_M**2 / HARTREE_J  # 0.229371
 # sqrt(E_h / (Å^2 u)) is an angular frequency [rad/s]; divide by 2 pi c (c in cm/s) for cm^-1
 _SQRT_HARTREE_PER_ANGSTROM2_AMU_TO_WAVENUMBER = math.sqrt(
     HARTREE_J / (ANGSTROM_M**2 * ATOMIC_MASS_UNIT_KG)

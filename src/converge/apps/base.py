@@ -111,7 +111,7 @@ class App(ABC):
         return model(batch["input"]).float()
 
     @abstractmethod
-    def loss(self, output: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, cfg: Any, output: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Scalar training loss of a model output on a batch."""
 
     @abstractmethod

@@ -91,7 +91,7 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
 
 
 def evaluate_source(
-    app: App, model: torch.nn.Module, source: BatchSource, cfg: TrainConfig, device: torch.device
+    app: App, app_cfg: Any, model: torch.nn.Module, source: BatchSource, cfg: TrainConfig, device: torch.device
 ) -> dict[str, float]:
     """Loss and app metrics of ``model`` over a whole (fixed) source."""
     model.eval()
@@ -103,7 +103,7 @@ def evaluate_source(
             batch = to_device(batch, device)
             out = detach_output(app.forward(model, batch))
             n = len(next(iter(batch.values())))
-            losses.append(float(app.loss(out, batch)) * n)
+            losses.append(float(app.loss(app_cfg, out, batch)) * n)
             counts.append(n)
             outputs.append(detach_output(out, cpu=True))
             batches.append({k: v.cpu() for k, v in batch.items() if k != "input"})
@@ -208,7 +208,7 @@ def train(
             for batch in train_src.batches(epoch, cfg.batch_size):
                 batch = to_device(batch, device)
                 with autocast_context(device, cfg.precision):
-                    loss = app.loss(app.forward(model, batch), batch)
+                    loss = app.loss(app_cfg, app.forward(model, batch), batch)
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
@@ -225,7 +225,7 @@ def train(
             train_seconds = time.perf_counter() - t_epoch
             record = {"epoch": epoch, "train_loss": loss_sum / max(n_sum, 1), "lr": scheduler.get_last_lr()[0],
                       "samples_per_s": n_sum / train_seconds, "samples_seen": samples_seen,
-                      **evaluate_source(app, model, val_src, cfg, device)}
+                      **evaluate_source(app, app_cfg, model, val_src, cfg, device)}
             value = record[app.monitor.name]
             improved = app.monitor.better(value, best_value)
             if improved:

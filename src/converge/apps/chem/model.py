@@ -142,10 +142,14 @@ class ANIPotential(nn.Module):
         ``create_graph=False`` (inference): both are returned detached. ``True``
         (training with a force loss): both keep their graphs, so a loss on them
         backpropagates to the parameters (double backward through the AEV).
-        Works under ``torch.no_grad()``; the input tensor is not modified.
+        Works under ``torch.no_grad()`` and ``torch.inference_mode()`` (it leaves
+        inference mode for the gradient); the input tensor is not modified.
         """
-        with torch.enable_grad():
-            coords = coordinates if coordinates.requires_grad else coordinates.detach().requires_grad_(True)
+        with torch.inference_mode(False), torch.enable_grad():
+            if coordinates.requires_grad:
+                coords = coordinates
+            else:  # clone: an inference-mode tensor cannot itself take part in autograd
+                coords = coordinates.detach().clone().requires_grad_(True)
             energy = self(species, coords)
             (gradient,) = torch.autograd.grad(energy.sum(), coords, create_graph=create_graph)
         if not create_graph:

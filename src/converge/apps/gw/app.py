@@ -83,7 +83,7 @@ class GWApp(App):
     def on_epoch_start(self, train_source: BatchSource, epoch: int, epochs: int) -> None:
         train_source.snr_range = curriculum_snr_range(train_source.cfg, epoch, epochs)  # type: ignore[attr-defined]
 
-    def loss(self, output: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, cfg: GWConfig, output: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(output, batch["label"])
 
     def metrics(self, outputs: torch.Tensor, batches: Mapping[str, torch.Tensor]) -> dict[str, float]:

@@ -1,0 +1,129 @@
+"""The chem app: an ANI-style neural network potential trained on DFT.
+
+Simulator: one conformer per task, drawn by normal-mode sampling around the
+optimised geometry of ``cfg.molecule``, labelled with a KS-DFT energy and
+analytic forces from PySCF at ``cfg.level``. Surrogate: ANI-1x atomic
+environment vectors and one MLP per element (``model.py``); forces are -dE/dr by
+autograd. Loss: energies and forces in kcal/mol, forces weighted by
+``cfg.force_weight``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ...data.sources import ArraySource, split_indices
+from ...units import hartree_to_kcal_mol
+from ..base import App, ArraySpec, BatchSource, Monitor
+from .config import ChemConfig
+from .dft import dft_energy_forces
+from .model import (ELEMENTS, ANIPotential, EnergiesForces, element_counts, fit_energy_scale, fit_self_energies,
+                    from_config)
+from .molecules import get_molecule
+from .sampling import reference_modes, sample_conformer
+
+
+def network_energies_forces(model: ANIPotential, species: torch.Tensor, coordinates: torch.Tensor,
+                            create_graph: bool) -> EnergiesForces:
+    """Energy minus the self-energies (B,) and forces (B, A, 3), hartree and hartree/Å.
+
+    The self-energies are constant in the coordinates, so the forces are those of
+    the full potential; leaving them out keeps float32 precise (a total energy of
+    -155 Ha in float32 carries only ~1e-5 Ha).
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        coords = coordinates.detach().clone().requires_grad_(True)  # clone: leave inference tensors behind
+        energy = model.network_energy(species.clone(), coords)
+        (gradient,) = torch.autograd.grad(energy.sum(), coords, create_graph=create_graph)
+    if not create_graph:
+        energy = energy.detach()
+    return EnergiesForces(energy, -gradient)
+
+
+def energy_force_errors(pred: EnergiesForces, energy: torch.Tensor, forces: torch.Tensor) -> dict[str, float]:
+    """MAE and RMSE of energies (kcal/mol) and MAE of force components (kcal/mol/Å)."""
+    de = hartree_to_kcal_mol((pred.energy.double() - energy.double()))
+    df = hartree_to_kcal_mol((pred.forces.double() - forces.double()))
+    return {"energy_mae_kcal_mol": float(de.abs().mean()), "energy_rmse_kcal_mol": float(de.pow(2).mean().sqrt()),
+            "force_mae_kcal_mol_A": float(df.abs().mean())}
+
+
+def training_self_energies(species: torch.Tensor, energy: torch.Tensor) -> dict[int, float]:
+    """Per-element self-energies fitted on the training set, rounded to float32.
+
+    Rounded so the residual targets use exactly the values a float32 model holds.
+    """
+    fitted = fit_self_energies(species, energy)
+    return {z: float(np.float32(v)) for z, v in fitted.items()}
+
+
+class ChemApp(App):
+    name = "chem"
+    config_cls = ChemConfig
+    monitor = Monitor("energy_mae_kcal_mol", "min")
+    packages = ("pyscf", "torchani", "tblite", "ase")
+    grad_at_inference = True
+    default_precision = "fp32"  # AEV and energy sums need fp32; bf16 costs accuracy (README)
+
+    def schema(self, cfg: ChemConfig) -> dict[str, ArraySpec]:
+        n = len(get_molecule(cfg.molecule).symbols)
+        return {"species": ArraySpec((n,), "int64"), "coordinates": ArraySpec((n, 3), "float64"),
+                "energy": ArraySpec((), "float64"), "forces": ArraySpec((n, 3), "float64")}
+
+    def sample_parameters(self, cfg: ChemConfig, rng: np.random.Generator) -> dict[str, float]:
+        # a float64 holds integers exactly up to 2**53: the conformer's own seed
+        return {"conformer_seed": float(rng.integers(2**53))}
+
+    def simulate(self, cfg: ChemConfig, params: Mapping[str, float]) -> dict[str, np.ndarray]:
+        mol = get_molecule(cfg.molecule)
+        modes = reference_modes(cfg.molecule, cfg.hessian)
+        rng = np.random.default_rng(int(params["conformer_seed"]))
+        positions = sample_conformer(modes, cfg.temperature, rng, cfg.min_distance)
+        result = dft_energy_forces(mol.symbols, positions, cfg)
+        return {"species": np.asarray(mol.numbers, dtype=np.int64), "coordinates": positions.astype(np.float64),
+                "energy": np.float64(result.energy_hartree),
+                "forces": result.forces_hartree_per_angstrom.astype(np.float64)}
+
+    def make_model(self, cfg: ChemConfig) -> ANIPotential:
+        return from_config(cfg)
+
+    def make_datasets(self, cfg: ChemConfig, arrays: Mapping[str, np.ndarray], seed: int,
+                      val_fraction: float) -> tuple[BatchSource, BatchSource]:
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(arrays[k]))
+                   for k in ("species", "coordinates", "energy", "forces")}
+        train_idx, val_idx = split_indices(len(tensors["energy"]), val_fraction, seed)
+        self_energies = training_self_energies(tensors["species"][train_idx], tensors["energy"][train_idx])
+        counts = torch.from_numpy(element_counts(tensors["species"]))
+        reference = counts @ torch.tensor([self_energies[z] for z in ELEMENTS], dtype=torch.float64)
+        tensors["energy_residual"] = tensors["energy"] - reference  # (N,) hartree, float64
+        train = ArraySource({k: v[train_idx] for k, v in tensors.items()}, seed=seed)
+        val = ArraySource({k: v[val_idx] for k, v in tensors.items()}, seed=seed, shuffle=False)
+        return train, val
+
+    def fit_to_data(self, model: torch.nn.Module, train_source: BatchSource) -> None:
+        arrays = train_source.arrays  # type: ignore[attr-defined]
+        self_energies = training_self_energies(arrays["species"], arrays["energy"])
+        scale = fit_energy_scale(arrays["species"], arrays["energy"], self_energies)
+        model.set_energy_reference(self_energies, energy_scale=scale)  # type: ignore[operator]
+
+    def forward(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> EnergiesForces:
+        dtype = model.energy_scale.dtype  # type: ignore[union-attr]
+        return network_energies_forces(model, batch["species"], batch["coordinates"].to(dtype),  # type: ignore[arg-type]
+                                       create_graph=model.training and torch.is_grad_enabled())
+
+    def loss(self, cfg: ChemConfig, output: EnergiesForces, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """MSE of energies plus ``force_weight`` x MSE of force components, in kcal/mol (and /Å)."""
+        e = hartree_to_kcal_mol(output.energy - batch["energy_residual"].to(output.energy.dtype))
+        f = hartree_to_kcal_mol(output.forces - batch["forces"].to(output.forces.dtype))
+        return e.pow(2).mean() + cfg.force_weight * f.pow(2).mean()
+
+    def metrics(self, outputs: EnergiesForces, batches: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        return energy_force_errors(outputs, batches["energy_residual"], batches["forces"])
+
+    def evaluate(self, run_dir: Path, data_dir: Path, out_dir: Path, **options: Any) -> dict:
+        from .evaluate import evaluate_run
+
+        return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
