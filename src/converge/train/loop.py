@@ -162,6 +162,7 @@ def train(
     np.random.seed(cfg.seed % 2**32)
     model = app.make_model(app_cfg).to(device)
     train_src, val_src = app.make_datasets(app_cfg, arrays, cfg.seed, cfg.val_fraction)
+    config["n_train_samples"], config["n_val_samples"] = len(train_src), len(val_src)
     if not resume:
         app.fit_to_data(model, train_src)  # e.g. per-element self-energies; restored from the checkpoint on resume
     steps_per_epoch = math.ceil(len(train_src) / cfg.batch_size)

@@ -68,6 +68,12 @@ class ChemApp(App):
     grad_at_inference = True
     default_precision = "fp32"  # AEV and energy sums need fp32; bf16 costs accuracy (README)
 
+    @property
+    def evaluate_config_cls(self) -> type:  # type: ignore[override]
+        from .evaluate import ChemEvalConfig
+
+        return ChemEvalConfig
+
     def schema(self, cfg: ChemConfig) -> dict[str, ArraySpec]:
         n = len(get_molecule(cfg.molecule).symbols)
         return {"species": ArraySpec((n,), "int64"), "coordinates": ArraySpec((n, 3), "float64"),
@@ -79,11 +85,11 @@ class ChemApp(App):
 
     def simulate(self, cfg: ChemConfig, params: Mapping[str, float]) -> dict[str, np.ndarray]:
         mol = get_molecule(cfg.molecule)
-        modes = reference_modes(cfg.molecule, cfg.hessian)
+        modes = reference_modes(cfg)
         rng = np.random.default_rng(int(params["conformer_seed"]))
         positions = sample_conformer(modes, cfg.temperature, rng, cfg.min_distance)
         result = dft_energy_forces(mol.symbols, positions, cfg)
-        return {"species": np.asarray(mol.numbers, dtype=np.int64), "coordinates": positions.astype(np.float64),
+        return {"species": np.asarray(mol.atomic_numbers, dtype=np.int64), "coordinates": positions.astype(np.float64),
                 "energy": np.float64(result.energy_hartree),
                 "forces": result.forces_hartree_per_angstrom.astype(np.float64)}
 
@@ -127,3 +133,8 @@ class ChemApp(App):
         from .evaluate import evaluate_run
 
         return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
+
+    def summary(self, report: dict) -> dict:
+        keys = ("molecule", "level_of_theory", "n_train", "energy_mae_kcal_mol", "force_mae_kcal_mol_A",
+                "hot_energy_mae_kcal_mol", "speedup_single", "speedup_batched")
+        return {k: report[k] for k in keys if k in report} | {"baselines": report["test"]["baselines"]}

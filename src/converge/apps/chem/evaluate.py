@@ -1,0 +1,177 @@
+"""The network potential against DFT on held-out (and hot) conformers.
+
+Errors: energy MAE/RMSE (kcal/mol) and force-component MAE (kcal/mol/Å) against
+the DFT labels, beside two baselines: predicting the training mean energy, and
+GFN2-xTB (tblite) with its mean offset from DFT removed. Speed: DFT per
+conformer against the surrogate's energy+forces per conformer, single and
+batched, timed in the same run on this machine.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...config import ConfigError, from_dict, to_dict
+from ...data.store import ShardStore
+from ...train.loop import load_model
+from ...units import hartree_to_kcal_mol
+from .config import LEVELS, ChemConfig
+from .dft import dft_energy_forces
+from .molecules import get_molecule
+from .sampling import xtb_energy_forces
+
+
+@dataclass(frozen=True)
+class ChemEvalConfig:
+    """Settings of ``converge evaluate chem`` (the ``[evaluate]`` table)."""
+
+    hot_data: str = ""  # a dataset sampled at a higher temperature than training ("" = none)
+    timing_level: str = "ani"  # the DFT level timed against the surrogate
+    n_dft_timing: int = 2  # conformers timed with DFT
+    batch_size: int = 256
+    xtb_baseline: bool = True
+
+    def __post_init__(self) -> None:
+        if self.timing_level not in LEVELS:
+            raise ConfigError(f"evaluate.timing_level={self.timing_level!r}: choose one of {', '.join(LEVELS)}")
+        if self.n_dft_timing < 1:
+            raise ConfigError(f"evaluate.n_dft_timing={self.n_dft_timing}: must be >= 1")
+
+
+def predict(model: torch.nn.Module, species: np.ndarray, coordinates: np.ndarray,
+            batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Total energies (N,) hartree and forces (N, A, 3) hartree/Å from the surrogate."""
+    energies, forces = [], []
+    for i in range(0, len(species), batch_size):
+        s = torch.from_numpy(species[i : i + batch_size])
+        c = torch.from_numpy(coordinates[i : i + batch_size]).to(model.energy_scale.dtype)
+        out = model.energies_forces(s, c)
+        energies.append(out.energy.double().numpy())
+        forces.append(out.forces.double().numpy())
+    return np.concatenate(energies), np.concatenate(forces)
+
+
+def error_report(e_pred: np.ndarray, f_pred: np.ndarray | None, e_ref: np.ndarray,
+                 f_ref: np.ndarray) -> dict[str, float]:
+    """MAE/RMSE of energies (kcal/mol) and MAE of force components (kcal/mol/Å)."""
+    de = hartree_to_kcal_mol(e_pred - e_ref)
+    out = {"energy_mae_kcal_mol": float(np.abs(de).mean()), "energy_rmse_kcal_mol": float(np.sqrt((de**2).mean()))}
+    if f_pred is not None:
+        out["force_mae_kcal_mol_A"] = float(np.abs(hartree_to_kcal_mol(f_pred - f_ref)).mean())
+    return out
+
+
+def evaluate_set(model, arrays: dict[str, np.ndarray], train_mean: float, batch_size: int,
+                 xtb: bool) -> tuple[dict[str, Any], np.ndarray]:
+    """Errors of the surrogate and the baselines on one set; returns (report, predicted energies)."""
+    e_ref, f_ref = arrays["energy"], arrays["forces"]
+    e_pred, f_pred = predict(model, arrays["species"], arrays["coordinates"], batch_size)
+    report: dict[str, Any] = {"n": int(len(e_ref)), **error_report(e_pred, f_pred, e_ref, f_ref),
+                              "baselines": {"mean": error_report(np.full_like(e_ref, train_mean), None, e_ref, f_ref)}}
+    if xtb:
+        symbols = get_molecule_symbols(arrays["species"][0])
+        e_x, f_x = zip(*(xtb_energy_forces(symbols, c) for c in arrays["coordinates"]))
+        e_x = np.asarray(e_x)
+        offset = float(np.mean(e_ref - e_x))  # the mean offset removed (fitted on this set: generous to xTB)
+        report["baselines"]["gfn2_xtb"] = error_report(e_x + offset, np.asarray(f_x), e_ref, f_ref)
+    return report, e_pred
+
+
+def get_molecule_symbols(numbers: np.ndarray) -> list[str]:
+    from ase.data import chemical_symbols
+
+    return [chemical_symbols[int(z)] for z in numbers]
+
+
+def time_surrogate(model, species: np.ndarray, coordinates: np.ndarray, batch: int, repeats: int = 5) -> float:
+    """Seconds per conformer for energy+forces at a given batch size (best of ``repeats``)."""
+    s = torch.from_numpy(np.repeat(species[:1], batch, axis=0))
+    c = torch.from_numpy(np.repeat(coordinates[:1], batch, axis=0)).to(model.energy_scale.dtype)
+    model.energies_forces(s, c)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.energies_forces(s, c)
+        best = min(best, time.perf_counter() - t0)
+    return best / batch
+
+
+def time_dft(cfg: ChemConfig, symbols: list[str], coordinates: np.ndarray, level: str, n: int) -> float:
+    """Mean seconds per conformer of DFT energy+forces at ``level`` (one thread)."""
+    dft_cfg = replace(cfg, level=level)
+    t0 = time.perf_counter()
+    for c in coordinates[:n]:
+        dft_energy_forces(symbols, c, dft_cfg, threads=1)
+    return (time.perf_counter() - t0) / min(n, len(coordinates))
+
+
+def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: ChemEvalConfig | None = None,
+                 progress: bool = True) -> dict[str, Any]:
+    ev = ev or ChemEvalConfig()
+    model, config = load_model(app, run_dir)
+    cfg = from_dict(ChemConfig, config["app_config"], "app")
+    train_data = Path(config.get("data", ""))
+    sets = {"test": Path(data_dir)} | ({"hot": Path(ev.hot_data)} if ev.hot_data else {})
+    loaded = {name: ShardStore.open(path).load() for name, path in sets.items()}
+    train_mean = float(ShardStore.open(train_data).load(["energy"])["energy"].mean()) if train_data.is_dir() \
+        else float(loaded["test"]["energy"].mean())
+    report: dict[str, Any] = {"molecule": cfg.molecule, "level_of_theory": cfg.level_of_theory,
+                              "n_train": config.get("n_train_samples"), "evaluate_config": to_dict(ev), "run": str(run_dir)}
+    predictions = {}
+    for name, arrays in loaded.items():
+        report[name], predictions[name] = evaluate_set(model, arrays, train_mean, ev.batch_size, ev.xtb_baseline)
+    test = loaded["test"]
+    symbols = get_molecule_symbols(test["species"][0])
+    single = time_surrogate(model, test["species"], test["coordinates"], 1)
+    batched = time_surrogate(model, test["species"], test["coordinates"], ev.batch_size)
+    dft = time_dft(cfg, symbols, test["coordinates"], ev.timing_level, ev.n_dft_timing)
+    report["speed"] = {"dft_seconds_per_conformer": dft, "dft_level": replace(cfg, level=ev.timing_level).level_of_theory,
+                       "surrogate_seconds_single": single, "surrogate_seconds_batched": batched,
+                       "batch_size": ev.batch_size, "threads": torch.get_num_threads()}
+    report["speedup_single"] = dft / single
+    report["speedup_batched"] = dft / batched
+    for key in ("energy_mae_kcal_mol", "energy_rmse_kcal_mol", "force_mae_kcal_mol_A"):
+        report[key] = report["test"][key]
+    if "hot" in report:
+        report["hot_energy_mae_kcal_mol"] = report["hot"]["energy_mae_kcal_mol"]
+        report["hot_force_mae_kcal_mol_A"] = report["hot"]["force_mae_kcal_mol_A"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2))
+    plot_parity(loaded, predictions, report, out_dir)
+    return report
+
+
+def plot_parity(loaded, predictions, report, out_dir: Path) -> None:
+    """``parity.png``: surrogate against DFT energies, and the error against the energy above the minimum."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    e_min = min(float(a["energy"].min()) for a in loaded.values())
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for (name, arrays), color in zip(loaded.items(), ("tab:blue", "tab:red")):
+        ref = hartree_to_kcal_mol(arrays["energy"] - e_min)
+        pred = hartree_to_kcal_mol(predictions[name] - e_min)
+        mae = report[name]["energy_mae_kcal_mol"]
+        ax1.scatter(ref, pred, s=6, color=color, alpha=0.6, label=f"{name} (MAE {mae:.2f} kcal/mol)")
+        ax2.scatter(ref, pred - ref, s=6, color=color, alpha=0.6, label=name)
+    lim = ax1.get_xlim()
+    ax1.plot(lim, lim, "k--", lw=0.8)
+    ax1.set(xlabel="DFT energy above minimum [kcal/mol]", ylabel="network [kcal/mol]",
+            title=f"{report['molecule']}: {report['level_of_theory']}")
+    ax2.axhline(0, color="k", lw=0.8)
+    ax2.set(xlabel="DFT energy above minimum [kcal/mol]", ylabel="network - DFT [kcal/mol]",
+            title="error against energy above the minimum")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "parity.png", dpi=120)
+    plt.close(fig)
