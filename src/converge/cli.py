@@ -197,6 +197,25 @@ def detect_cmd(
                   f"per second; written to {result['out']}")
 
 
+@cli.command("predict")
+def predict_cmd(
+    app: str = typer.Argument(..., help="App name, e.g. chem."),
+    path: Path = typer.Argument(..., help="Input file (chem: .xyz / extxyz, coordinates in Å)."),
+    run: Path = typer.Option(..., "--run", "-r", help="A trained run directory."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (chem: FILE.predicted.extxyz)."),
+) -> None:
+    """Use a trained surrogate on a file (chem: energies and forces of each frame, written as extxyz)."""
+    from .apps.base import load_app
+    from .train.checkpoint import CheckpointError
+
+    _threads()
+    try:
+        written = load_app(app).predict_file(run, path, out)
+    except (KeyError, FileNotFoundError, ValueError, CheckpointError, NotImplementedError) as err:
+        _fail(str(err).strip("'\""))
+    console.print(f"written {written}")
+
+
 @cli.command("demo")
 def demo_cmd(
     out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Where everything is written."),

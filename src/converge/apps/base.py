@@ -129,6 +129,10 @@ class App(ABC):
     def evaluate(self, run_dir: Path, data_dir: Path, out_dir: Path, **options: Any) -> dict:
         """Surrogate against the classical baseline; writes plots, returns the report."""
 
+    def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
+        """Run the surrogate on an input file; returns the output file written."""
+        raise NotImplementedError(f"app {self.name!r} has no `converge predict`; use its Python API")
+
     def summary(self, report: dict) -> dict:
         """The headline figures of an evaluation report, for the terminal."""
         return report

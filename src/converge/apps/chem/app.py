@@ -134,6 +134,11 @@ class ChemApp(App):
 
         return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
 
+    def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
+        from .calculator import predict_file
+
+        return predict_file(run_dir, path, out)
+
     def summary(self, report: dict) -> dict:
         keys = ("molecule", "level_of_theory", "n_train", "energy_mae_kcal_mol", "force_mae_kcal_mol_A",
                 "hot_energy_mae_kcal_mol", "speedup_single", "speedup_batched")

@@ -25,6 +25,7 @@ implemented in ``pyscf.grad`` / ``pyscf.hessian``.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,7 +35,7 @@ import numpy as np
 
 from ...units import hartree_per_bohr2_to_hartree_per_angstrom2, hartree_per_bohr_to_hartree_per_angstrom
 from .config import ChemConfig
-from .molecules import ATOMIC_NUMBERS, check_elements
+from .molecules import ATOMIC_NUMBERS, check_elements, hill_formula
 
 
 class DFTResult(NamedTuple):
@@ -154,25 +155,28 @@ def converged_scf(
     iterations of all attempts together, and how many attempts ran. Raises
     :class:`SCFNotConverged` if none converges.
     """
-    cycles = [0]
+    total_cycles = 0
     tried: list[str] = []
     last = None
     for attempt in ladder:
         mf = make_ks(mol, cfg, attempt, use_gpu)
-        mf.callback = _count_cycles(cycles)
         if attempt.second_order:
             dm0 = last.make_rdm1() if last is not None and last.mo_coeff is not None else None
-            mf = mf.newton()
-            mf.callback = _count_cycles(cycles)
-            mf.kernel(dm0=dm0)
-        else:
-            mf.kernel()
+            with warnings.catch_warnings():  # PySCF's Newton solver calls its own deprecated helper
+                warnings.simplefilter("ignore", DeprecationWarning)
+                mf = mf.newton()
+        counter = [0]
+        mf.callback = _count_cycles(counter)  # the Newton solver does not set mf.cycles
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            mf.kernel(dm0=dm0) if attempt.second_order else mf.kernel()
+        total_cycles += counter[0] or int(getattr(mf, "cycles", 0))
         tried.append(f"{attempt.label} (max {cfg.max_scf_cycles} cycles)")
         if mf.converged:
-            return mf, cycles[0], len(tried)
+            return mf, total_cycles, len(tried)
         last = mf
-    formula = "".join(mol.atom_symbol(k) for k in range(mol.natm))
-    raise SCFNotConverged(f"{formula} at {cfg.level_of_theory}", tried)
+    symbols = [mol.atom_pure_symbol(k) for k in range(mol.natm)]
+    raise SCFNotConverged(f"{hill_formula(symbols)} at {cfg.level_of_theory}", tried)
 
 
 def _to_numpy(x) -> np.ndarray:

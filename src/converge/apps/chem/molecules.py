@@ -10,8 +10,10 @@ Positions are in Å. Atoms are counted from 1 in error messages, as in an .xyz f
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -73,6 +75,10 @@ class Molecule:
         return len(self.symbols)
 
     @property
+    def formula(self) -> str:
+        return hill_formula(self.symbols)
+
+    @property
     def n_electrons(self) -> int:
         """Electrons of the neutral molecule, ``sum(Z)``."""
         return int(self.atomic_numbers.sum())
@@ -85,6 +91,16 @@ def check_elements(symbols: tuple[str, ...] | list[str]) -> None:
             raise ValueError(
                 f"element {symbol} (atom {k + 1}) is not supported; supported: {', '.join(SUPPORTED_ELEMENTS)}"
             )
+
+
+def hill_formula(symbols: Sequence[str]) -> str:
+    """Chemical formula in Hill order (C, H, then alphabetical), e.g. ``C2H6O``."""
+    counts = Counter(symbols)
+    if "C" in counts:
+        order = ["C"] + (["H"] if "H" in counts else []) + sorted(s for s in counts if s not in ("C", "H"))
+    else:
+        order = sorted(counts)
+    return "".join(s + (str(counts[s]) if counts[s] > 1 else "") for s in order)
 
 
 def builtin_names() -> tuple[str, ...]:

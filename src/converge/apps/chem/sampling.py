@@ -21,7 +21,7 @@ only that the ``c_i`` are uniform and sum to at most 1; we draw the total
 flat Dirichlet), as the authors' ``nmstools.py`` does up to a detail (it reuses
 the largest of ``N_f`` draws as the end point). Force constants are floored at
 its ``minfc = 1e-3 mdyn/Å``. Conformers with two atoms closer than
-``min_distance`` are redrawn (ANI-1 used element-pair thresholds instead).
+``min_distance`` are redrawn (nmstools uses element-pair thresholds instead).
 """
 from __future__ import annotations
 
