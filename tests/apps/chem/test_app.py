@@ -93,3 +93,25 @@ def test_predict_writes_extxyz_with_energies(run, tmp_path):
 def test_bad_structures_are_refused(numbers, positions, message):
     with pytest.raises(InputError, match=message):
         check_structure(numbers, np.asarray(positions, dtype=float), (1, 6, 7, 8))
+
+
+def test_nve_drift_is_small_for_an_exactly_conservative_potential():
+    from ase.calculators.lj import LennardJones
+
+    from converge.apps.chem.md import nve_drift
+
+    cluster = Atoms("Ar4", positions=[[0, 0, 0], [3.8, 0, 0], [0, 3.8, 0], [0, 0, 3.8]])
+    cluster.calc = LennardJones(sigma=3.4, epsilon=0.0104, rc=10.0)
+    result = nve_drift(cluster, temperature=50.0, duration_ps=1.0, dt_fs=2.0)
+    assert result["drift_kcal_mol_ps_atom"] < 1e-3 and result["steps"] == 500
+    with pytest.raises(ValueError, match="attach a calculator"):
+        nve_drift(WATER.copy())
+
+
+def test_surrogate_dynamics_runs(run):
+    from converge.apps.chem.md import nve_drift
+
+    atoms = WATER.copy()
+    atoms.calc = Calculator(run / "run")
+    result = nve_drift(atoms, temperature=5.0, duration_ps=0.005, dt_fs=0.25)
+    assert result["steps"] == 20 and np.isfinite(result["drift_kcal_mol_ps"])

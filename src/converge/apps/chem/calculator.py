@@ -54,7 +54,8 @@ def check_structure(numbers: Sequence[int], positions: np.ndarray, elements: Seq
     dist = np.linalg.norm(positions[:, None] - positions[None], axis=-1) + np.eye(len(numbers)) * 1e9
     if np.median(dist.min(axis=1)) > MAX_TYPICAL_NEIGHBOUR_A:
         raise InputError(f"the median nearest-neighbour distance is {np.median(dist.min(axis=1)):.2f}: "
-                         "coordinates must be in Å (these look like bohr; multiply by 0.529177)")
+                         "coordinates must be in Å (these look like bohr: multiply by 0.529177), "
+                         "or the molecule has fallen apart")
 
 
 class Calculator(ASECalculator):
