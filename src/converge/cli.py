@@ -219,13 +219,20 @@ def predict_cmd(
 @cli.command("demo")
 def demo_cmd(
     out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Where everything is written."),
-    quick: bool = typer.Option(False, help="A much smaller run (a smoke test, about a minute)."),
+    quick: bool = typer.Option(False, help="A much smaller run (a smoke test of a minute or two)."),
+    app: str = typer.Option("all", help="gw, chem or all."),
 ) -> None:
-    """simulate -> train -> evaluate -> detect for the gw app on small defaults (<= 10 min on 2 cores)."""
+    """Both reference apps end to end on small defaults (<= 10 min on 2 cores).
+
+    gw: simulate -> train -> evaluate vs matched filtering -> detect in a strain file.
+    chem: DFT ensemble -> train -> evaluate vs DFT and GFN2-xTB -> NVE dynamics.
+    """
     from .demo import run_demo
 
+    if app not in ("gw", "chem", "all"):
+        _fail(f"--app {app!r}: choose gw, chem or all")
     _threads()
-    run_demo(out, quick=quick)
+    run_demo(out, quick=quick, apps=("gw", "chem") if app == "all" else (app,))
 
 
 def main() -> None:
