@@ -59,6 +59,15 @@ class BatchSource(Protocol):
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """A served tensor in Open Inference Protocol terms: -1 marks a variable dimension."""
+
+    name: str
+    datatype: str  # KServe v2 datatype: FP32, FP64, INT64, ...
+    shape: tuple[int, ...]  # including the batch axis (-1)
+
+
+@dataclass(frozen=True)
 class Monitor:
     """The validation metric that picks the best checkpoint and stops early."""
 
@@ -128,6 +137,15 @@ class App(ABC):
     @abstractmethod
     def evaluate(self, run_dir: Path, data_dir: Path, out_dir: Path, **options: Any) -> dict:
         """Surrogate against the classical baseline; writes plots, returns the report."""
+
+    # -- serve --------------------------------------------------------------------
+    def serving_signature(self, cfg: Any) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """(inputs, outputs) of the served model; the first axis of each is the batch."""
+        raise NotImplementedError(f"app {self.name!r} does not define a serving signature")
+
+    def serve_predict(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Outputs by name for a batch of validated inputs (called under inference mode)."""
+        raise NotImplementedError(f"app {self.name!r} cannot be served")
 
     def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
         """Run the surrogate on an input file; returns the output file written."""

@@ -17,7 +17,7 @@ import torch
 
 from ...data.sources import ArraySource, split_indices
 from ...units import hartree_to_kcal_mol
-from ..base import App, ArraySpec, BatchSource, Monitor
+from ..base import App, ArraySpec, BatchSource, Monitor, TensorSpec
 from .config import ChemConfig
 from .dft import dft_energy_forces
 from .model import (ELEMENTS, ANIPotential, EnergiesForces, element_counts, fit_energy_scale, fit_self_energies,
@@ -133,6 +133,20 @@ class ChemApp(App):
         from .evaluate import evaluate_run
 
         return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
+
+    def serving_signature(self, cfg: ChemConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        n = len(get_molecule(cfg.molecule).symbols)  # molecules of the trained size; pad with 0 for fewer atoms
+        inputs = [TensorSpec("species", "INT64", (-1, n)), TensorSpec("coordinates", "FP32", (-1, n, 3))]
+        outputs = [TensorSpec("energy", "FP64", (-1,)), TensorSpec("forces", "FP32", (-1, n, 3))]
+        return inputs, outputs
+
+    def serve_predict(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Energies (hartree, float64: self-energies added in float64) and forces (hartree/Å)."""
+        species = inputs["species"]
+        out = network_energies_forces(model, species, inputs["coordinates"].float(), create_graph=False)
+        counts = (species.unsqueeze(-1) == torch.tensor(ELEMENTS, device=species.device)).sum(1).double()  # (B, E)
+        energy = out.energy.double() + counts @ model.self_energies.double()  # type: ignore[operator]
+        return {"energy": energy, "forces": out.forces.float()}
 
     def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
         from .calculator import predict_file

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..base import App, ArraySpec, BatchSource, Monitor
+from ..base import App, ArraySpec, BatchSource, Monitor, TensorSpec
 from .config import GWConfig
 from .model import DetectionCNN
 from .pipeline import WindowSource
@@ -99,6 +99,15 @@ class GWApp(App):
         from .evaluate import evaluate_run
 
         return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
+
+    def serving_signature(self, cfg: GWConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        inputs = [TensorSpec("strain", "FP32", (-1, cfg.window_samples))]  # whitened, cfg.sample_rate
+        outputs = [TensorSpec("logit", "FP32", (-1,)), TensorSpec("probability", "FP32", (-1,))]
+        return inputs, outputs
+
+    def serve_predict(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logit = model(inputs["strain"]).float()
+        return {"logit": logit, "probability": torch.sigmoid(logit)}
 
     def summary(self, report: dict) -> dict:
         keep = {}
