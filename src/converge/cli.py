@@ -28,6 +28,7 @@ cli = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts hold [app], [train] ... literally
 )
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file with [app], [simulate], [train], ... tables.")
@@ -214,6 +215,35 @@ def predict_cmd(
     except (KeyError, FileNotFoundError, ValueError, CheckpointError, NotImplementedError) as err:
         _fail(str(err).strip("'\""))
     console.print(f"written {written}")
+
+
+@cli.command("serve")
+def serve_cmd(
+    runs: list[str] = typer.Argument(..., help="Run folders to serve, as PATH or NAME=PATH (any app)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; anything but loopback needs --token or --insecure."),
+    port: int = typer.Option(8000, help="TCP port."),
+    max_batch_size: int = typer.Option(64, help="Samples per model call at most."),
+    max_queue_delay_us: int = typer.Option(0, help="Wait this long for more requests (0: take what is queued)."),
+    max_queue_size: int = typer.Option(1024, help="Queued samples before requests get 503 + Retry-After."),
+    token: Optional[str] = typer.Option(None, help="Require `Authorization: Bearer TOKEN`."),
+    insecure: bool = typer.Option(False, help="Allow a non-loopback bind without a token."),
+    device: str = typer.Option("cpu", help="cpu | cuda | auto."),
+) -> None:
+    """Serve trained runs over the Open Inference Protocol (KServe v2) with dynamic batching.
+
+    Endpoints: /v2/health/{live,ready}, /v2, /v2/models/NAME[/versions/V][/ready],
+    POST /v2/models/NAME[/versions/V]/infer (JSON or binary tensors), /metrics (Prometheus).
+    The Triton Python client (tritonclient[http]) works against it unchanged.
+    """
+    from .serve.registry import ModelLoadError
+    from .serve.server import ServeConfigError, serve
+
+    _threads()
+    try:
+        serve(runs, host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
+              max_queue_size=max_queue_size, token=token, insecure=insecure, device=device)
+    except (ServeConfigError, ModelLoadError) as err:
+        _fail(str(err))
 
 
 @cli.command("demo")

@@ -1,0 +1,259 @@
+"""The dynamic batcher: requests queue up, one worker per model runs them in batches.
+
+The decision is one plain function, :func:`collect_batch`: given the queue and
+the time, either take a batch now or say how long to wait. Like Triton:
+
+- ``max_queue_delay_us == 0`` (the default): take whatever is queued the moment
+  the model is free, up to ``max_batch_size`` samples;
+- otherwise wait until ``max_batch_size`` samples are queued (or the next
+  request would not fit) or ``max_queue_delay_us`` has passed since the oldest
+  request arrived, whichever comes first.
+
+A request of n samples is never split. :class:`Batcher` holds the queue and the
+worker thread; its ``clock`` is injected so the deadline logic is tested without
+sleeping, and ``start=False`` with :meth:`Batcher.step` drives it by hand.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Mapping, Sequence
+
+import numpy as np
+
+Predict = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
+class QueueFull(RuntimeError):
+    """The queue holds ``max_queue_size`` samples already (HTTP 503, retry later)."""
+
+    retry_after_s = 1
+
+
+class RequestTimeout(TimeoutError):
+    """A request waited longer than its timeout (HTTP 504)."""
+
+
+class BatchFailed(RuntimeError):
+    """The model raised on the batch holding this request (HTTP 500)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The batcher is closed and takes no new requests (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_batch_size: int = 64  # samples per model call
+    max_queue_delay_us: int = 0  # 0: run whatever is queued as soon as the model is free
+    max_queue_size: int = 1024  # samples waiting; more -> QueueFull
+    timeout_s: float = 30.0  # per request, queue plus compute
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size}: must be >= 1")
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us={self.max_queue_delay_us}: must be >= 0 (0 = no waiting)")
+        if self.max_queue_size < self.max_batch_size:
+            raise ValueError(f"max_queue_size={self.max_queue_size}: must be >= max_batch_size={self.max_batch_size}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: must be > 0 seconds")
+
+
+@dataclass
+class Pending:
+    """One queued request."""
+
+    inputs: Mapping[str, np.ndarray]
+    n: int  # samples
+    arrived: float  # clock() at submission
+    future: Future = field(default_factory=Future)
+
+    @property
+    def shape_key(self) -> Hashable:
+        """Requests batch together only when their non-batch shapes agree."""
+        return tuple((k, v.shape[1:]) for k, v in self.inputs.items())
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What one model call did, for metrics."""
+
+    samples: int
+    requests: int
+    queue_s: tuple[float, ...]  # per request: arrival -> start of compute
+    compute_s: float
+    error: str | None = None
+
+
+def collect_batch(queue: Sequence[Pending], now: float, max_batch_size: int, max_delay_s: float) -> tuple[int, float]:
+    """(requests to take now, seconds to wait): exactly one of the two is non-zero unless the queue is empty.
+
+    The batch is the longest prefix of the queue that fits in ``max_batch_size``
+    samples and shares one shape; it is taken when it is full (or the next
+    request would not fit), or when the oldest request has waited ``max_delay_s``.
+    """
+    if not queue:
+        return 0, math.inf
+    take, samples = 0, 0
+    for p in queue:
+        if (take and samples + p.n > max_batch_size) or p.shape_key != queue[0].shape_key:
+            break
+        take, samples = take + 1, samples + p.n
+    full = samples >= max_batch_size or take < len(queue)
+    wait = queue[0].arrived + max_delay_s - now
+    if full or wait <= 0:
+        return take, 0.0
+    return 0, wait
+
+
+def run_batch(predict: Predict, batch: Sequence[Pending]) -> list[dict[str, np.ndarray]]:
+    """Concatenate the requests' inputs, call ``predict`` once, split the outputs back in order."""
+    names = batch[0].inputs.keys()
+    inputs = {k: np.concatenate([p.inputs[k] for p in batch]) if len(batch) > 1 else batch[0].inputs[k]
+              for k in names}
+    outputs = predict(inputs)
+    total = sum(p.n for p in batch)
+    for name, out in outputs.items():
+        if len(out) != total:
+            raise BatchFailed(f"model output {name!r} has {len(out)} rows for a batch of {total} samples")
+    bounds = np.cumsum([0] + [p.n for p in batch])
+    return [{k: v[a:b] for k, v in outputs.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class Batcher:
+    """A queue of requests and one worker thread that runs them through ``predict`` in batches.
+
+    ``submit`` returns a ``concurrent.futures.Future`` of the request's outputs;
+    ``infer`` waits for it. ``close`` stops taking requests, finishes the queued
+    ones and joins the worker.
+    """
+
+    def __init__(self, predict: Predict, config: BatchConfig = BatchConfig(), name: str = "model",
+                 clock: Callable[[], float] = time.monotonic, on_batch: Callable[[BatchRecord], None] | None = None,
+                 start: bool = True) -> None:
+        self.predict, self.config, self.name, self.clock, self.on_batch = predict, config, name, clock, on_batch
+        self._queue: deque[Pending] = deque()
+        self._queued_samples = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @property
+    def queued_samples(self) -> int:
+        return self._queued_samples
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=f"batcher-{self.name}", daemon=True)
+            self._thread.start()
+
+    def submit(self, inputs: Mapping[str, np.ndarray]) -> Future:
+        """Queue one request (every input has the same first axis, n >= 1 samples)."""
+        n = len(next(iter(inputs.values())))
+        if n > self.config.max_batch_size:
+            raise ValueError(f"a request of {n} samples exceeds max_batch_size={self.config.max_batch_size}; "
+                             "split it")
+        pending = Pending(inputs, n, self.clock())
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown(f"model {self.name!r} is shutting down")
+            if self._queued_samples + n > self.config.max_queue_size:
+                raise QueueFull(f"model {self.name!r}: queue full ({self._queued_samples} of "
+                                f"{self.config.max_queue_size} samples waiting); retry later")
+            self._queue.append(pending)
+            self._queued_samples += n
+            self._cond.notify()
+        return pending.future
+
+    def infer(self, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Submit and wait (at most ``timeout``, default the config's) for the outputs."""
+        future = self.submit(inputs)
+        timeout = self.config.timeout_s if timeout is None else timeout
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise RequestTimeout(f"model {self.name!r}: no result within {timeout:g} s") from None
+
+    def _take(self, count: int) -> list[Pending]:
+        """Pop ``count`` requests; drop those cancelled by their caller or past their timeout."""
+        now, batch = self.clock(), []
+        for _ in range(count):
+            p = self._queue.popleft()
+            self._queued_samples -= p.n
+            if now - p.arrived > self.config.timeout_s:
+                if p.future.set_running_or_notify_cancel():
+                    p.future.set_exception(RequestTimeout(
+                        f"model {self.name!r}: request waited {now - p.arrived:.3g} s in the queue "
+                        f"(timeout {self.config.timeout_s:g} s)"))
+            elif p.future.set_running_or_notify_cancel():
+                batch.append(p)
+        return batch
+
+    def step(self) -> int:
+        """One decision without waiting: run a batch if one is due; returns its samples (0: none due)."""
+        with self._cond:
+            delay = 0.0 if self._closing else self.config.max_queue_delay_us * 1e-6
+            count, _ = collect_batch(self._queue, self.clock(), self.config.max_batch_size, delay)
+            batch = self._take(count)
+        self._execute(batch)
+        return sum(p.n for p in batch)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    delay = 0.0 if self._closing else self.config.max_queue_delay_us * 1e-6
+                    count, wait = collect_batch(self._queue, self.clock(), self.config.max_batch_size, delay)
+                    if count or (self._closing and not self._queue):
+                        break
+                    self._cond.wait(None if math.isinf(wait) else wait)
+                if not count:
+                    return
+                batch = self._take(count)
+            self._execute(batch)
+
+    def _execute(self, batch: list[Pending]) -> None:
+        if not batch:
+            return
+        start = self.clock()
+        error = None
+        try:
+            results = run_batch(self.predict, batch)
+        except Exception as err:  # noqa: BLE001 - a bad batch fails its requests, never the worker
+            error = f"{type(err).__name__}: {err}"
+            for p in batch:
+                p.future.set_exception(BatchFailed(f"model {self.name!r} failed on a batch of "
+                                                   f"{sum(q.n for q in batch)} samples: {error}"))
+        else:
+            for p, out in zip(batch, results):
+                p.future.set_result(out)
+        if self.on_batch is not None:
+            record = BatchRecord(sum(p.n for p in batch), len(batch), tuple(start - p.arrived for p in batch),
+                                 self.clock() - start, error)
+            try:
+                self.on_batch(record)
+            except Exception:  # noqa: BLE001 - metrics must not stop serving
+                pass
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no more requests, finish the queued ones, join the worker."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            while self._queue:
+                self.step()

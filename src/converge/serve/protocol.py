@@ -1,0 +1,284 @@
+"""Open Inference Protocol (KServe v2) tensors: JSON and the binary extension.
+
+A tensor is ``{"name", "shape", "datatype", "data"}`` with ``data`` flattened in
+row-major order (nested lists are accepted too). With the binary tensor
+extension a tensor's bytes follow the JSON header instead: the
+``Inference-Header-Content-Length`` HTTP header gives the JSON header's length,
+each binary input carries ``parameters.binary_data_size`` and the bytes come in
+input order, little-endian, row-major. Outputs are returned as binary when the
+request says ``parameters.binary_data_output`` or the output's own
+``parameters.binary_data``.
+
+Spec: https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/
+and Triton's binary_tensor_data extension.
+
+Both directions live here: the server's parse/encode and the client's
+encode/parse, so they cannot drift apart.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..apps.base import TensorSpec
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+JSON_TYPE = "application/json"
+BINARY_TYPE = "application/octet-stream"
+
+# KServe v2 datatype -> little-endian numpy dtype. BYTES (strings) is refused: no converge model takes text.
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype("?"),
+    "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
+    "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"), "UINT64": np.dtype("<u8"),
+    "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
+}
+UNSUPPORTED = {"BYTES": "BYTES (string) tensors are not supported: converge models take numbers",
+               "BF16": "BF16 tensors are not supported: send FP32"}
+
+
+class ValidationError(ValueError):
+    """A request that does not match the protocol or the model's signature (HTTP 400)."""
+
+
+def datatype_of(dtype: np.dtype) -> str:
+    """The KServe datatype of a numpy dtype (any byte order)."""
+    dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
+    for name, dt in DATATYPES.items():
+        if dt == dtype:
+            return name
+    raise ValidationError(f"numpy dtype {dtype} has no Open Inference Protocol datatype; use one of "
+                          + ", ".join(str(d) for d in DATATYPES.values()))
+
+
+@dataclass
+class InferRequest:
+    """A parsed request: validated arrays by input name and how each output is wanted."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, bool]  # output name -> send as binary
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(next(iter(self.inputs.values())))
+
+
+# -- server side ---------------------------------------------------------------------------------------------------
+def split_body(body: bytes, header_length: str | int | None) -> tuple[dict, bytes]:
+    """(JSON header, binary part) of a request or response body."""
+    if header_length is None or header_length == "":
+        head, rest = body, b""
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise ValidationError(f"{HEADER_LENGTH}: {header_length!r} is not an integer") from None
+        if not 0 <= n <= len(body):
+            raise ValidationError(f"{HEADER_LENGTH}={n} but the body holds {len(body)} bytes")
+        head, rest = body[:n], body[n:]
+    try:
+        doc = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValidationError(f"request body is not valid JSON ({err}); binary data needs the "
+                              f"{HEADER_LENGTH} header") from None
+    if not isinstance(doc, dict):
+        raise ValidationError("request body must be a JSON object with an 'inputs' list")
+    return doc, rest
+
+
+def _shape_of(name: str, tensor: dict) -> tuple[int, ...]:
+    shape = tensor.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise ValidationError(f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}")
+    return tuple(shape)
+
+
+def _json_array(name: str, data: Any, datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    dtype = DATATYPES[datatype]
+    try:
+        raw = np.asarray(data)
+    except ValueError:
+        raise ValidationError(f"input {name!r}: 'data' is a ragged nested list; send it flattened") from None
+    raw = raw.reshape(-1)
+    expected = math.prod(shape)
+    if raw.size != expected:
+        raise ValidationError(f"input {name!r}: shape {list(shape)} needs {expected} values, got {raw.size}")
+    kind = raw.dtype.kind
+    if dtype.kind in "iu" and kind in "fO":  # integers beyond int64 come out as float or object: keep them exact
+        exact = np.asarray(data, dtype=object).reshape(-1)
+        if all(type(v) is int for v in exact):
+            raw, kind = exact, "i"
+    kinds = {"b": "b", "i": "biu", "u": "biu", "f": "biuf"}[dtype.kind]
+    if raw.size and kind not in kinds:
+        want = {"b": "true/false", "i": "integers", "u": "integers", "f": "numbers"}[dtype.kind]
+        raise ValidationError(f"input {name!r}: datatype {datatype} needs {want} in 'data', got values like "
+                              f"{raw[0].item() if hasattr(raw[0], 'item') else raw[0]!r}")
+    if dtype.kind in "iu" and raw.size:
+        info = np.iinfo(dtype)
+        if int(raw.min()) < info.min or int(raw.max()) > info.max:
+            raise ValidationError(f"input {name!r}: values outside the {datatype} range [{info.min}, {info.max}]")
+    with np.errstate(over="ignore"):
+        return raw.astype(dtype).reshape(shape)
+
+
+def _binary_array(name: str, size: Any, datatype: str, shape: tuple[int, ...], blob: bytes, offset: int) -> np.ndarray:
+    dtype = DATATYPES[datatype]
+    expected = math.prod(shape) * dtype.itemsize
+    if not isinstance(size, int) or isinstance(size, bool) or size != expected:
+        raise ValidationError(f"input {name!r}: binary_data_size={size!r} but shape {list(shape)} of {datatype} "
+                              f"needs {expected} bytes")
+    if offset + size > len(blob):
+        raise ValidationError(f"input {name!r}: binary data ends after {len(blob) - offset} of its {size} bytes")
+    return np.frombuffer(blob, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+
+
+def decode_tensors(tensors: Any, blob: bytes, what: str = "inputs") -> dict[str, np.ndarray]:
+    """Arrays by name from a list of JSON tensors and the binary part after the header."""
+    if not isinstance(tensors, list) or not tensors:
+        raise ValidationError(f"'{what}' must be a non-empty list of tensors")
+    arrays: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
+            raise ValidationError(f"{what}[{i}] must be an object with a string 'name'")
+        name, datatype = tensor["name"], tensor.get("datatype")
+        if name in arrays:
+            raise ValidationError(f"input {name!r} appears twice")
+        if datatype in UNSUPPORTED:
+            raise ValidationError(f"input {name!r}: {UNSUPPORTED[datatype]}")
+        if datatype not in DATATYPES:
+            raise ValidationError(f"input {name!r}: unknown datatype {datatype!r}; use one of {', '.join(DATATYPES)}")
+        shape = _shape_of(name, tensor)
+        params = tensor.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise ValidationError(f"input {name!r}: 'parameters' must be an object")
+        if "binary_data_size" in params:
+            if "data" in tensor:
+                raise ValidationError(f"input {name!r} has both 'data' and binary_data_size; send one")
+            arrays[name] = _binary_array(name, params["binary_data_size"], datatype, shape, blob, offset)
+            offset += params["binary_data_size"]
+        elif "data" in tensor:
+            arrays[name] = _json_array(name, tensor["data"], datatype, shape)
+        else:
+            raise ValidationError(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+    if offset != len(blob):
+        raise ValidationError(f"{len(blob) - offset} bytes of binary data are not claimed by any binary_data_size")
+    return arrays
+
+
+def check_inputs(arrays: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]) -> None:
+    """Names, datatypes, shapes, a common batch size >= 1 and finite floats, per the model's signature."""
+    want = {s.name: s for s in specs}
+    for name in arrays:
+        if name not in want:
+            raise ValidationError(f"unknown input {name!r}; the model takes {', '.join(map(repr, want))}")
+    batch = None
+    for spec in specs:
+        if spec.name not in arrays:
+            raise ValidationError(f"missing input {spec.name!r} ({spec.datatype}, shape {list(spec.shape)})")
+        arr = arrays[spec.name]
+        if datatype_of(arr.dtype) != spec.datatype:
+            raise ValidationError(f"input {spec.name!r}: datatype {datatype_of(arr.dtype)}, expected {spec.datatype}")
+        ok = len(arr.shape) == len(spec.shape) and all(w in (-1, d) for w, d in zip(spec.shape, arr.shape))
+        if not ok:
+            raise ValidationError(f"input {spec.name!r}: shape {list(arr.shape)}, expected {list(spec.shape)} "
+                                  "(-1: any size)")
+        if arr.shape[0] < 1:
+            raise ValidationError(f"input {spec.name!r}: the batch axis is empty; send at least one sample")
+        if batch is not None and arr.shape[0] != batch:
+            raise ValidationError(f"input {spec.name!r}: batch size {arr.shape[0]}, but other inputs have {batch}")
+        batch = arr.shape[0]
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ValidationError(f"input {spec.name!r}: {int(np.size(arr) - np.isfinite(arr).sum())} values are "
+                                  "NaN or infinite; send finite numbers")
+
+
+def parse_infer_request(body: bytes, header_length: str | int | None, inputs: Sequence[TensorSpec],
+                        outputs: Sequence[TensorSpec]) -> InferRequest:
+    """Parse and validate a POST .../infer body against the model's signature."""
+    doc, blob = split_body(body, header_length)
+    arrays = decode_tensors(doc.get("inputs"), blob)
+    check_inputs(arrays, inputs)
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ValidationError("request 'parameters' must be an object")
+    default_binary = bool(params.get("binary_data_output", False))
+    names = [s.name for s in outputs]
+    requested = doc.get("outputs")
+    if requested is None:
+        wanted = {n: default_binary for n in names}
+    else:
+        if not isinstance(requested, list) or not all(isinstance(o, dict) for o in requested):
+            raise ValidationError("'outputs' must be a list of objects with a 'name'")
+        wanted = {}
+        for o in requested:
+            if o.get("name") not in names:
+                raise ValidationError(f"unknown output {o.get('name')!r}; the model gives {', '.join(map(repr, names))}")
+            wanted[o["name"]] = bool((o.get("parameters") or {}).get("binary_data", default_binary))
+    request_id = doc.get("id")
+    return InferRequest(arrays, wanted, None if request_id is None else str(request_id), params)
+
+
+def encode_tensors(arrays: Mapping[str, np.ndarray], binary: Mapping[str, bool]) -> tuple[list[dict], list[bytes]]:
+    """JSON tensors and the binary chunks (in order) for ``arrays``."""
+    tensors, chunks = [], []
+    for name, arr in arrays.items():
+        arr = np.asarray(arr)
+        datatype = datatype_of(arr.dtype)
+        tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+        if binary.get(name, False):
+            raw = np.ascontiguousarray(arr, dtype=DATATYPES[datatype]).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            tensor["data"] = arr.reshape(-1).tolist()
+        tensors.append(tensor)
+    return tensors, chunks
+
+
+def encode_message(doc: dict, chunks: Sequence[bytes]) -> tuple[bytes, dict[str, str]]:
+    """(body, headers) of a request or response: JSON alone, or JSON header plus binary chunks."""
+    head = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    if not chunks:
+        return head, {"Content-Type": JSON_TYPE}
+    return head + b"".join(chunks), {"Content-Type": BINARY_TYPE, HEADER_LENGTH: str(len(head))}
+
+
+def encode_infer_response(model: str, version: str, request: InferRequest,
+                          results: Mapping[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+    """The response to ``request``: the requested outputs, binary where asked."""
+    chosen = {name: results[name] for name in request.outputs}
+    tensors, chunks = encode_tensors(chosen, request.outputs)
+    doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": tensors}
+    if request.id is not None:
+        doc["id"] = request.id
+    return encode_message(doc, chunks)
+
+
+# -- client side ---------------------------------------------------------------------------------------------------
+def encode_infer_request(inputs: Mapping[str, np.ndarray], binary: bool = True,
+                         outputs: Sequence[str] | None = None, request_id: str | None = None) -> tuple[bytes, dict]:
+    """A request body and headers; ``binary`` sends inputs as bytes and asks for binary outputs."""
+    tensors, chunks = encode_tensors(inputs, {name: binary for name in inputs})
+    doc: dict[str, Any] = {"inputs": tensors, "parameters": {"binary_data_output": binary}}
+    if outputs is not None:
+        doc["outputs"] = [{"name": n, "parameters": {"binary_data": binary}} for n in outputs]
+    if request_id is not None:
+        doc["id"] = request_id
+    return encode_message(doc, chunks)
+
+
+def decode_infer_response(body: bytes, header_length: str | int | None) -> dict[str, np.ndarray]:
+    """Output arrays by name from a response body (JSON or binary); copies so they are writable."""
+    try:
+        doc, blob = split_body(body, header_length)
+        return {k: np.array(v) for k, v in decode_tensors(doc.get("outputs"), blob, "outputs").items()}
+    except ValidationError as err:
+        raise ValidationError(f"malformed response from the server: {err}") from None
