@@ -246,6 +246,41 @@ def serve_cmd(
         _fail(str(err))
 
 
+bench_cli = typer.Typer(help="Platform benchmarks (results as JSON and PNG).", no_args_is_help=True)
+cli.add_typer(bench_cli, name="bench")
+
+
+@bench_cli.command("serve")
+def bench_serve_cmd(
+    run: Path = typer.Argument(..., help="A `converge train` run folder (any app)."),
+    duration: float = typer.Option(5.0, help="Measured seconds per concurrency level."),
+    warmup: float = typer.Option(1.0, help="Seconds of load before each measured window."),
+    concurrency: str = typer.Option("1,2,4,8,16,32,64,128", help="Client counts to sweep, comma-separated."),
+    formats: str = typer.Option("binary,json", help="Tensor encodings: binary, json or both."),
+    max_batch_size: int = typer.Option(64, help="max_batch_size of the batched server (the other runs with 1)."),
+    device: str = typer.Option("cpu", help="cpu | cuda | auto, for the model and the server."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                       help="Where serve.json, serve.png and the server logs go (default RUN)."),
+) -> None:
+    """Throughput and latency of a served run: the model alone, then `converge serve` with dynamic
+    batching on and off, swept over client concurrency (a perf_analyzer-style load generator)."""
+    from .bench.serve import (BatchingMode, ServeBenchConfig, ServeBenchError, headline, parse_counts,
+                              run_serve_benchmark, write_results)
+    from .serve.registry import ModelLoadError
+
+    _threads()
+    try:
+        cfg = ServeBenchConfig(concurrencies=parse_counts(concurrency), duration_s=duration, warmup_s=warmup,
+                               formats=tuple(f.strip() for f in formats.split(",")), device=device,
+                               modes=(BatchingMode("batched", max_batch_size), BatchingMode("unbatched", 1)))
+        report = run_serve_benchmark(run, cfg, log_dir=out or run)
+    except (ValueError, ModelLoadError, ServeBenchError) as err:
+        _fail(str(err))
+    json_path, png_path = write_results({report["app"]: report}, out or run)
+    print(json.dumps(headline(report), indent=2))
+    console.print(f"written {json_path} and {png_path}")
+
+
 @cli.command("demo")
 def demo_cmd(
     out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Where everything is written."),

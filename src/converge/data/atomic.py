@@ -31,6 +31,12 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> str:
     """Write ``data`` to ``path`` atomically; return its sha256.
 
@@ -42,6 +48,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> str:
     expected = sha256_bytes(data)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; artifacts get the usual mode
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

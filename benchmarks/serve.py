@@ -1,0 +1,59 @@
+"""Serving throughput and latency of trained gw and chem runs: the model alone against `converge serve`.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve.py --gw runs/gw-full/run --chem runs/chem-full/ethanol/run
+
+Trains nothing: give run folders of `converge train`. For each, measures the
+model's own throughput (batch 1 and its best batch, no server), then sweeps
+`converge serve` with dynamic batching on (max_batch_size 64, no queue delay)
+and off (max_batch_size 1) over client concurrency, JSON and binary tensors,
+with the load generator in its own process (its CPU share is reported, to show
+it is not the bottleneck). Writes ``benchmarks/results/serve.json`` and
+``serve.png`` (throughput against p99 latency).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gw", type=Path, help="a trained gw run folder")
+    parser.add_argument("--chem", type=Path, help="a trained chem run folder")
+    parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per concurrency level")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds before each measured window")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128", help="client counts")
+    parser.add_argument("--formats", default="binary,json", help="binary, json or both")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="of the batched server")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where serve.json and serve.png go")
+    args = parser.parse_args()
+    runs = {label: run for label, run in (("gw", args.gw), ("chem", args.chem)) if run is not None}
+    if not runs:
+        parser.error("give --gw RUN and/or --chem RUN")
+
+    import torch
+
+    from converge.bench.serve import (BatchingMode, ServeBenchConfig, headline, parse_counts, run_serve_benchmark,
+                                      write_results)
+
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+    cfg = ServeBenchConfig(concurrencies=parse_counts(args.concurrency), duration_s=args.duration,
+                           warmup_s=args.warmup, formats=tuple(f.strip() for f in args.formats.split(",")),
+                           modes=(BatchingMode("batched", args.max_batch_size), BatchingMode("unbatched", 1)))
+    reports = {}
+    for label, run in runs.items():
+        print(f"{label}: {run}", file=sys.stderr)
+        reports[label] = run_serve_benchmark(run, cfg)
+        print(json.dumps({label: headline(reports[label])}, indent=2))
+    json_path, png_path = write_results(reports, args.out)
+    print(f"written {json_path} and {png_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

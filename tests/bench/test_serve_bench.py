@@ -1,0 +1,168 @@
+"""The serving benchmark: the load generator against the real `converge serve`, percentiles, the model's
+ceiling, the summary and the plot. A tiny untrained gw CNN stands in for a trained run (timing needs no skill)."""
+import json
+import random
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+
+from converge.apps.chem.config import ChemConfig
+from converge.apps.chem.molecules import get_molecule
+from converge.apps.gw.app import GWApp
+from converge.apps.gw.config import GWConfig
+from converge.bench.loadgen import InferTarget, LoadProcess, latency_percentiles, run_load
+from converge.bench.serve import (
+    BatchingMode, ServeBenchConfig, ServeBenchError, ServerProcess, example_inputs, model_ceiling, parse_counts,
+    plot_serve_sweep, run_serve_benchmark, summarize, write_results,
+)
+from converge.serve import ModelLoadError, load_served_model
+from converge.serve.protocol import check_inputs
+from converge.train.checkpoint import save_checkpoint
+
+TINY = GWConfig(channels=(4, 4, 8), hidden=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A run folder as `converge train` leaves it, holding an untrained tiny gw CNN."""
+    run = tmp_path_factory.mktemp("bench") / "gw-tiny"
+    run.mkdir()
+    config = {"app": "gw", "app_config": asdict(TINY), "train": {"precision": "fp32"}}
+    (run / "config.json").write_text(json.dumps(config))
+    save_checkpoint(run / "best.pt", {"model": GWApp().make_model(TINY).state_dict(), "config": config})
+    return run
+
+
+def test_percentiles_are_nearest_rank_on_a_known_list():
+    values = list(range(1, 101))
+    random.Random(0).shuffle(values)
+    assert latency_percentiles(values) == [50, 95, 99]
+    assert latency_percentiles(values, (1, 100)) == [1, 100]
+    assert latency_percentiles([3.0, 1.0, 2.0], (50, 99)) == [2.0, 3.0]
+    assert latency_percentiles([7.0], (50, 95, 99)) == [7.0, 7.0, 7.0]
+    assert latency_percentiles(list(range(1, 11)), (95,)) == [10]  # ceil(9.5) = 10th value, not interpolated 9.55
+    with pytest.raises(ValueError, match="a percentile of nothing"):
+        latency_percentiles([])
+    with pytest.raises(ValueError, match=r"percentile 0: must be in \(0, 100\]"):
+        latency_percentiles([1.0], (0,))
+
+
+def test_loadgen_against_the_real_server(tiny_run, tmp_path):
+    strain = example_inputs("gw", TINY, 3)["strain"]
+    samples = [{"strain": strain[i:i + 1]} for i in range(3)]
+    with ServerProcess(tiny_run, "gw", 64, tmp_path / "serve.log", startup_timeout_s=60) as server, \
+            LoadProcess() as load:
+        results = [load.run(InferTarget.from_inputs(server.url, "gw", samples, binary), c, 1.0, 0.2, timeout_s=10)
+                   for c, binary in ((1, True), (4, False))]
+        samples_done, calls = server.counters()
+        wrong = load.run(InferTarget.from_inputs(server.url, "nope", samples), 1, 0.3, 0.0, timeout_s=10)
+    for r, concurrency in zip(results, (1, 4)):
+        assert r.concurrency == concurrency and r.window_s == 1.0 and r.samples_per_request == 1
+        assert r.requests > 0 and r.errors == 0 and not r.error_examples
+        assert 0 < r.p50_ms <= r.p95_ms <= r.p99_ms <= r.max_ms and 0 < r.mean_ms <= r.max_ms
+        assert r.throughput_rps == pytest.approx(r.requests / r.window_s) == r.throughput_sps
+        assert 0 < r.cpu_share < 1.5  # one asyncio thread: at most one core, plus measurement slack
+        json.dumps(r.as_dict(), allow_nan=False)
+    assert samples_done >= sum(r.requests for r in results) and 0 < calls <= samples_done
+    assert wrong.requests == 0 and wrong.errors > 0 and wrong.p99_ms is None
+    assert wrong.error_examples[0].startswith("HTTP 404: ") and "unknown model 'nope'" in wrong.error_examples[0]
+
+
+def test_loadgen_counts_a_dead_server_as_errors_and_stops_on_time():
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    target = InferTarget(f"http://127.0.0.1:{port}", "gw", ((b"{}", (("Content-Type", "application/json"),)),), 1)
+    r = run_load(target, concurrency=2, duration_s=0.3, warmup_s=0.0, timeout_s=2)
+    assert r.requests == 0 and r.errors > 0 and r.throughput_sps == 0 and r.p50_ms is None
+    assert "ConnectionRefusedError" in r.error_examples[0]
+    with pytest.raises(ValueError, match="concurrency=0: must be >= 1"):
+        run_load(target, concurrency=0, duration_s=1)
+    with pytest.raises(ValueError, match="give http://HOST:PORT"):
+        InferTarget("127.0.0.1:80", "gw", target.requests, 1)
+
+
+def test_model_ceiling_and_example_inputs(tiny_run):
+    model = load_served_model(tiny_run)
+    pool = example_inputs("gw", TINY, 8, seed=1)
+    check_inputs(pool, model.inputs)
+    assert abs(pool["strain"].std() - 1) < 0.1  # whitened noise has unit variance
+    rows = model_ceiling(model.predict, pool, (1, 8), min_time_s=0.05)
+    assert [r["batch_size"] for r in rows] == [1, 8]
+    assert all(r["samples_per_s"] > 0 and r["ms_per_call"] > 0 and r["calls"] >= 1 for r in rows)
+    with pytest.raises(ValueError, match="batch size 16: the pool holds only 8 samples"):
+        model_ceiling(model.predict, pool, (16,), min_time_s=0.01)
+
+    water = ChemConfig(molecule="water")
+    chem = example_inputs("chem", water, 5)
+    from converge.apps.chem.app import ChemApp
+
+    check_inputs(chem, ChemApp().serving_signature(water)[0])
+    molecule = get_molecule("water")
+    assert (chem["species"] == molecule.atomic_numbers).all()
+    assert 0 < np.abs(chem["coordinates"] - molecule.positions).max() < 0.5
+    with pytest.raises(ServeBenchError, match="no example inputs for app 'md'"):
+        example_inputs("md", None, 1)
+
+
+def test_run_serve_benchmark_end_to_end(tiny_run, tmp_path):
+    cfg = ServeBenchConfig(concurrencies=(2,), duration_s=0.5, warmup_s=0.1, formats=("binary",),
+                           ceiling_batches=(1, 4), ceiling_min_time_s=0.05)
+    report = run_serve_benchmark(tiny_run, cfg, log_dir=tmp_path)
+    assert [(r["mode"], r["format"], r["concurrency"]) for r in report["sweep"]] == [
+        ("batched", "binary", 2), ("unbatched", "binary", 2)]
+    assert all(r["errors"] == 0 and r["requests"] > 0 for r in report["sweep"])
+    assert report["model_only_single"] > 0 and report["model_only_best"]["batch_size"] in (1, 4)
+    assert report["throughput_batched_best"] > 0 and report["p99_ms_batched_best"] > 0
+    assert "throughput_single_unbatched" not in report  # concurrency 1 was not swept
+    assert 0 < report["loadgen_cpu_share_max"] < 1.5
+    assert (tmp_path / "serve-batched.log").read_text().count("/infer") > 0
+    json_path, png_path = write_results({"gw": report}, tmp_path)
+    assert json.loads(json_path.read_text())["gw"]["sweep"] == report["sweep"]
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(mode, concurrency, sps, errors=0, fmt="binary"):
+    return {"mode": mode, "format": fmt, "concurrency": concurrency, "throughput_sps": sps, "errors": errors,
+            "requests": 10, "p99_ms": 100.0 / sps * concurrency, "mean_batch_size": concurrency / 2, "cpu_share": 0.1}
+
+
+def test_summary_picks_the_fastest_clean_batched_point():
+    sweep = [_row("unbatched", 1, 100.0), _row("unbatched", 8, 150.0), _row("batched", 1, 110.0),
+             _row("batched", 8, 400.0), _row("batched", 64, 900.0, errors=3), _row("batched", 8, 50.0, fmt="json")]
+    ceiling = [{"batch_size": 1, "samples_per_s": 200.0}, {"batch_size": 64, "samples_per_s": 1000.0}]
+    s = summarize(sweep, ceiling, "binary", "batched", "unbatched")
+    assert s["throughput_single_unbatched"] == 100.0 and s["concurrency_batched_best"] == 8  # 64 had errors
+    assert s["throughput_batched_best"] == 400.0 and s["gain_vs_single_unbatched"] == 4.0
+    assert s["fraction_of_model_best"] == 0.4 and s["p99_ms_batched_best"] == 2.0
+
+
+def test_plot_is_written(tmp_path):
+    sweep = [_row(m, c, s) for m, cs in (("batched", (1, 4, 16)), ("unbatched", (1, 4)))
+             for c, s in zip(cs, (100.0, 300.0, 500.0))]
+    sweep += [{**r, "format": "json"} for r in sweep]
+    report = {"sweep": sweep, "model_only_best": {"samples_per_s": 2000.0, "batch_size": 64},
+              "model_only_single": 400.0}
+    path = plot_serve_sweep({"gw": report, "chem": report}, tmp_path / "plots" / "serve.png")
+    assert path.is_file() and path.stat().st_size > 10_000
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp file left behind
+
+
+def test_settings_and_failures_say_what_to_fix(tmp_path):
+    assert parse_counts("1, 2,4") == (1, 2, 4)
+    with pytest.raises(ValueError, match="comma-separated whole numbers"):
+        parse_counts("1,two")
+    with pytest.raises(ValueError, match="one or more numbers >= 1"):
+        parse_counts("0,4")
+    with pytest.raises(ValueError, match="formats=\\('xml',\\): choose from binary, json"):
+        ServeBenchConfig(formats=("xml",))
+    with pytest.raises(ValueError, match="names must be distinct"):
+        ServeBenchConfig(modes=(BatchingMode("a", 1), BatchingMode("a", 2)))
+    with pytest.raises(ModelLoadError, match="no such run folder"):
+        run_serve_benchmark(tmp_path / "missing")
+    with pytest.raises(ServeBenchError, match=r"(?s)`converge serve` exited with status 2:\n.*no\s+such run folder"):
+        with ServerProcess(tmp_path / "missing", "gw", 1, tmp_path / "serve.log", startup_timeout_s=60):
+            pass
