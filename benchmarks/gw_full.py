@@ -44,10 +44,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for training (evaluation uses 1)")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--signal-fraction", type=float, default=0.5)
+    ap.add_argument("--stop-after-training", action="store_true", help="simulate and train only")
     args = ap.parse_args()
 
     app = GWApp()
-    cfg = GWConfig(channels=tuple(args.channels), hidden=args.hidden)
+    cfg = GWConfig(channels=tuple(args.channels), hidden=args.hidden, signal_fraction=args.signal_fraction)
     stages: dict[str, float] = {}
     t = time.perf_counter()
     for name, n, seed in (("train", args.train_samples, 101), ("test", args.test_samples, 202)):
@@ -61,6 +63,8 @@ def main() -> None:
     tcfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.epochs)
     res = train(app, cfg, tcfg, arrays, args.out / "run", resume=args.resume and (args.out / "run" / "last.pt").exists())
     stages["train_s"] = time.perf_counter() - t
+    if args.stop_after_training:
+        return
 
     torch.set_num_threads(1)  # the CNN and the matched filter are timed on one thread each
     t = time.perf_counter()

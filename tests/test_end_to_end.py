@@ -73,6 +73,16 @@ def test_evaluation_report_and_plots(tiny_run):
     assert saved["app_config"]["snr_min"] == 15.0 and saved["train"]["epochs"] == 4
 
 
+def test_second_evaluation_reuses_the_matched_filter_scores(tiny_run):
+    first = json.loads((tiny_run / "run" / "evaluation.json").read_text())
+    assert first["matched_filter_cache"] is None and list((tiny_run / "test" / "cache").glob("matched_filter-*.npz"))
+    converge("evaluate", "gw", "--run", tiny_run / "run", "--data", tiny_run / "test", "--config",
+             tiny_run / "gw.toml", "--out", tiny_run / "again")
+    again = json.loads((tiny_run / "again" / "evaluation.json").read_text())
+    assert again["matched_filter_cache"] and again["matched_filter"]["efficiency"] == first["matched_filter"]["efficiency"]
+    assert again["cnn"]["efficiency"] == first["cnn"]["efficiency"]
+
+
 def test_detect_finds_loud_injections_at_the_right_gps_time(tiny_run):
     cfg = GWConfig()
     rng = np.random.default_rng(5)

@@ -253,6 +253,27 @@ def test_access_log_lines_are_json(known, caplog):
     assert all(x["ms"] >= 0 and "ts" in x for x in lines)
 
 
+def test_access_log_can_be_turned_off(known, caplog):
+    with caplog.at_level(logging.INFO, logger="converge.serve.access"):
+        with TestClient(create_app({"linear": known.model()}, ServerSettings(access_log=False))) as c:
+            assert c.post("/v2/models/linear/infer", json=infer_json(known.sample(1))).status_code == 200
+            text = c.get("/metrics").text
+    assert not [r for r in caplog.records if r.name == "converge.serve.access"]
+    assert 'converge_http_requests_total{method="POST",route="/v2/models/{name}/infer",status="200"} 1.0' in text
+
+
+def test_infer_routes_are_labelled_in_the_metrics(known):
+    with TestClient(create_app({"linear": known.model()})) as c:
+        assert c.post("/v2/models/linear/versions/1/infer", json=infer_json(known.sample(1))).status_code == 200
+        assert c.post("/v2/models/linear/versions/1/infer", content=b"{").status_code == 400
+        assert c.get("/v2/models/linear/infer").status_code == 405
+        text = c.get("/metrics").text
+    route = "/v2/models/{name}/versions/{version}/infer"
+    for status in (200, 400):
+        assert f'converge_http_requests_total{{method="POST",route="{route}",status="{status}"}} 1.0' in text
+    assert 'method="GET",route="/v2/models/{name}/infer",status="405"' in text
+
+
 def test_app_and_settings_are_validated(known):
     with pytest.raises(ValueError, match="models\\['a'\\] is named 'linear'; key the dict by model name"):
         create_app({"a": known.model()})

@@ -1,4 +1,5 @@
 """The dynamic batcher: the deadline with an injected clock, ordering, failures, limits, shutdown."""
+import asyncio
 import math
 import threading
 
@@ -168,6 +169,55 @@ def test_infer_times_out_and_cancels_its_request():
         b.infer(rows(0, 1), timeout=0.05)
     release.set()
     assert blocker.result(5)["y"].shape == (1, 2)
+    b.close(5)
+
+
+def test_infer_async_awaits_the_worker_without_blocking_the_loop():
+    release, model = threading.Event(), Recorder()
+    # the model waits for the loop itself: a blocked loop would never release it
+    b = Batcher(lambda x: release.wait(5) and model(x), BatchConfig(max_batch_size=16))
+
+    async def scenario():
+        requests = [asyncio.create_task(b.infer_async(rows(10 * i, 1 + i % 3))) for i in range(20)]
+        await asyncio.sleep(0.01)
+        release.set()
+        return await asyncio.gather(*requests)
+
+    outs = asyncio.run(scenario())
+    b.close(5)
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(out["y"], rows(10 * i, 1 + i % 3)["x"] * 2)
+    assert sum(model.sizes) == sum(1 + i % 3 for i in range(20))
+
+
+def test_infer_async_times_out_and_cancels_its_queued_request():
+    release, model = threading.Event(), Recorder()
+    b = Batcher(lambda x: release.wait(5) and model(x), BatchConfig(max_batch_size=1))
+
+    async def scenario():
+        blocker = b.submit(rows(0, 1))  # occupies the model
+        with pytest.raises(RequestTimeout, match="model 'model': no result within 0.05 s"):
+            await b.infer_async(rows(5, 1), timeout=0.05)
+        abandoned = asyncio.create_task(b.infer_async(rows(7, 1)))
+        await asyncio.sleep(0.01)
+        abandoned.cancel()  # the caller went away: its request leaves the queue too
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+        release.set()
+        return await asyncio.wrap_future(blocker)
+
+    assert asyncio.run(scenario())["y"].shape == (1, 2)
+    b.close(5)
+    assert model.sizes == [1]  # neither the timed-out nor the cancelled request ran
+
+
+def test_infer_async_raises_the_batch_failure():
+    def fragile(inputs):
+        raise RuntimeError("no physics today")
+
+    b = Batcher(fragile, BatchConfig())
+    with pytest.raises(BatchFailed, match="failed on a batch of 1 samples: RuntimeError: no physics today"):
+        asyncio.run(b.infer_async(rows(0, 1), timeout=5))
     b.close(5)
 
 

@@ -8,7 +8,6 @@ users expect: 400 invalid request, 401 token, 404 model/version, 413 body,
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -22,6 +21,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from .batcher import BatchConfig, Batcher, BatchFailed, QueueFull, RequestTimeout, ShuttingDown
@@ -30,6 +31,7 @@ from .protocol import HEADER_LENGTH, ValidationError, encode_infer_response, par
 from .registry import ServedModel
 
 access_log = logging.getLogger("converge.serve.access")
+HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode("latin-1")  # as ASGI spells header names
 UNAUTHENTICATED = ("/v2/health/live", "/v2/health/ready")  # probes of orchestrators carry no token
 
 
@@ -38,6 +40,7 @@ class ServerSettings:
     batch: BatchConfig = field(default_factory=BatchConfig)
     max_body_bytes: int = 64 * 2**20
     token: str | None = None  # bearer token required on every endpoint but the health probes
+    access_log: bool = True  # one JSON line per request on the "converge.serve.access" logger, at INFO
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -75,19 +78,140 @@ def authorized(header: str | None, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) past ``limit`` bytes whether declared or streamed."""
-    declared = request.headers.get("content-length", "")
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes | None:
+    """The request body, refused (413) past ``limit`` bytes whether declared or streamed; None if the client left."""
     too_large = f"request body exceeds the server's limit of {limit} bytes; send fewer samples per request"
-    if declared.isdigit() and int(declared) > limit:
+    if declared and declared.isdigit() and int(declared) > limit:
         raise ServeError(413, too_large)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise ServeError(413, too_large)
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def find_model(models: Mapping[str, ServedModel], name: str, version: str | None) -> ServedModel:
+    """The model called ``name`` (at ``version``, if given), or a 404 naming what is served."""
+    if name not in models:
+        raise ServeError(404, f"unknown model {name!r}; serving: {', '.join(sorted(models)) or 'none'}")
+    model = models[name]
+    if version is not None and version != model.version:
+        raise ServeError(404, f"model {name!r} has no version {version!r}; serving version {model.version!r}")
+    return model
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower case) in an ASGI scope."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class AccessLine(dict):
+    """One access log record's fields; rendered as a JSON line only when a handler formats it.
+
+    So the event loop pays for a dict, and the JSON is written by whichever
+    thread writes the log (see ``server.BatchedStreamHandler``).
+    """
+
+    def __str__(self) -> str:
+        return json.dumps(self)
+
+
+class GuardAndLog:
+    """ASGI middleware: the bearer-token check, the HTTP request counter and the JSON access log.
+
+    Plain ASGI rather than ``@app.middleware("http")``, whose per-request task
+    group and body streams cost more than the rest of an inference request.
+    """
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        token = self.settings.token
+        try:
+            if token and scope["path"] not in UNAUTHENTICATED and not authorized(header(scope, b"authorization"), token):
+                refusal = JSONResponse({"error": "missing or wrong bearer token; send 'Authorization: Bearer <token>'"},
+                                       401, headers={"WWW-Authenticate": "Bearer"})
+                await refusal(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.http_request(scope["method"], route, status)
+            if self.settings.access_log and access_log.isEnabledFor(logging.INFO):
+                client = scope.get("client")
+                access_log.info(AccessLine(
+                    ts=round(time.time(), 3), method=scope["method"], path=scope["path"], status=status,
+                    ms=round(1e3 * (time.perf_counter() - t0), 3), client=client[0] if client else None,
+                    bytes_in=int(header(scope, b"content-length") or 0)))
+
+
+class LabelledRoute(Route):
+    """A plain Starlette route that names itself in ``scope["route"]`` for the metrics' route label.
+
+    FastAPI's router records only its own ``APIRoute``s there.
+    """
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["route"] = self
+        await super().handle(scope, receive, send)
+
+
+class InferEndpoint:
+    """POST /v2/models/NAME[/versions/V]/infer as a raw ASGI app, the one hot path of the server.
+
+    No Request/Response objects or exception wrappers: every failure becomes its
+    JSON error here, and the answer goes out as two ASGI messages.
+    """
+
+    def __init__(self, models: Mapping[str, ServedModel], batchers: Mapping[str, Batcher], settings: ServerSettings,
+                 metrics: ServerMetrics) -> None:
+        self.models, self.batchers, self.settings, self.metrics = models, batchers, settings, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        params, limits = scope["path_params"], self.settings.batch
+        try:
+            model = find_model(self.models, params["name"], params.get("version"))
+            body = await read_body(receive, header(scope, b"content-length"), self.settings.max_body_bytes)
+        except ServeError as err:
+            return await error_response(err)(scope, receive, send)
+        if body is None:
+            return  # the client is gone: nobody to answer
+        try:
+            parsed = parse_infer_request(body, header(scope, HEADER_LENGTH_KEY), model.inputs, model.outputs)
+            if parsed.batch_size > limits.max_batch_size:
+                raise ValidationError(f"{parsed.batch_size} samples exceed max_batch_size={limits.max_batch_size}; "
+                                      "split the request")
+            results = await self.batchers[model.name].infer_async(parsed.inputs)
+        except tuple(ERRORS) as err:
+            self.metrics.request_done(model.name, next(r for cls, (_, r) in ERRORS.items() if isinstance(err, cls)))
+            return await error_response(err)(scope, receive, send)
+        self.metrics.request_done(model.name, None)
+        content, headers = encode_infer_response(model.name, model.version, parsed, results)
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw.append((b"content-length", str(len(content)).encode("latin-1")))
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.body", "body": content})
 
 
 def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = ServerSettings()) -> FastAPI:
@@ -124,32 +248,10 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(err.detail)}, err.status_code)
 
-    @app.middleware("http")
-    async def guard_and_log(request: Request, call_next):
-        t0 = time.perf_counter()
-        if settings.token and request.url.path not in UNAUTHENTICATED \
-                and not authorized(request.headers.get("authorization"), settings.token):
-            response = JSONResponse({"error": "missing or wrong bearer token; send 'Authorization: Bearer <token>'"},
-                                    401, headers={"WWW-Authenticate": "Bearer"})
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.http.labels(request.method, getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        if access_log.isEnabledFor(logging.INFO):
-            access_log.info(json.dumps({
-                "ts": round(time.time(), 3), "method": request.method, "path": request.url.path,
-                "status": response.status_code, "ms": round(1e3 * (time.perf_counter() - t0), 3),
-                "client": request.client.host if request.client else None,
-                "bytes_in": int(request.headers.get("content-length") or 0)}))
-        return response
+    app.add_middleware(GuardAndLog, settings=settings, metrics=metrics)
 
     def find(name: str, version: str | None) -> ServedModel:
-        if name not in models:
-            raise ServeError(404, f"unknown model {name!r}; serving: {', '.join(sorted(models)) or 'none'}")
-        model = models[name]
-        if version is not None and version != model.version:
-            raise ServeError(404, f"model {name!r} has no version {version!r}; serving version {model.version!r}")
-        return model
+        return find_model(models, name, version)
 
     @app.get("/v2/health/live")
     async def live() -> dict:
@@ -175,27 +277,9 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
         ok = batchers[find(name, version).name].running
         return JSONResponse({"name": name, "ready": ok}, 200 if ok else 503)
 
-    @app.post("/v2/models/{name}/infer")
-    @app.post("/v2/models/{name}/versions/{version}/infer")
-    async def infer(name: str, request: Request, version: str | None = None) -> Response:
-        model = find(name, version)
-        body = await read_body(request, settings.max_body_bytes)
-        try:
-            parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), model.inputs, model.outputs)
-            if parsed.batch_size > settings.batch.max_batch_size:
-                raise ValidationError(f"{parsed.batch_size} samples exceed max_batch_size="
-                                      f"{settings.batch.max_batch_size}; split the request")
-            future = batchers[model.name].submit(parsed.inputs)
-            try:
-                results = await asyncio.wait_for(asyncio.wrap_future(future), settings.batch.timeout_s)
-            except asyncio.TimeoutError:
-                raise RequestTimeout(f"model {name!r}: no result within {settings.batch.timeout_s:g} s") from None
-        except tuple(ERRORS) as err:
-            metrics.request_done(model.name, next(r for cls, (_, r) in ERRORS.items() if isinstance(err, cls)))
-            raise
-        metrics.request_done(model.name, None)
-        content, headers = encode_infer_response(model.name, model.version, parsed, results)
-        return Response(content, headers=headers)
+    infer = InferEndpoint(models, batchers, settings, metrics)
+    for path in ("/v2/models/{name}/versions/{version}/infer", "/v2/models/{name}/infer"):
+        app.router.routes.insert(0, LabelledRoute(path, infer, methods=["POST"]))  # first: the router tries in order
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -15,12 +15,14 @@ sleeping, and ``start=False`` with :meth:`Batcher.step` drives it by hand.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -72,8 +74,9 @@ class Pending:
     n: int  # samples
     arrived: float  # clock() at submission
     future: Future = field(default_factory=Future)
+    waiter: asyncio.Future | None = None  # of infer_async: given the outcome on its own event loop
 
-    @property
+    @cached_property
     def shape_key(self) -> Hashable:
         """Requests batch together only when their non-batch shapes agree."""
         return tuple((k, v.shape[1:]) for k, v in self.inputs.items())
@@ -99,9 +102,9 @@ def collect_batch(queue: Sequence[Pending], now: float, max_batch_size: int, max
     """
     if not queue:
         return 0, math.inf
-    take, samples = 0, 0
+    take, samples, shape = 0, 0, queue[0].shape_key
     for p in queue:
-        if (take and samples + p.n > max_batch_size) or p.shape_key != queue[0].shape_key:
+        if (take and samples + p.n > max_batch_size) or p.shape_key != shape:
             break
         take, samples = take + 1, samples + p.n
     full = samples >= max_batch_size or take < len(queue)
@@ -125,12 +128,38 @@ def run_batch(predict: Predict, batch: Sequence[Pending]) -> list[dict[str, np.n
     return [{k: v[a:b] for k, v in outputs.items()} for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def settle_waiters(batch: Sequence[Pending]) -> None:
+    """On an event loop: give each request's waiter the outcome of its (finished) future."""
+    for p in batch:
+        if p.waiter is None or p.waiter.done():  # done: timed out or cancelled on the loop already
+            continue
+        if p.future.cancelled():
+            p.waiter.cancel()
+        elif (err := p.future.exception(0)) is not None:
+            p.waiter.set_exception(err)
+        else:
+            p.waiter.set_result(p.future.result(0))
+
+
+def hand_over(batch: Sequence[Pending]) -> None:
+    """From the worker: wake each event loop awaiting part of ``batch`` once, with all of its requests."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Pending]] = {}
+    for p in batch:
+        if p.waiter is not None:
+            by_loop.setdefault(p.waiter.get_loop(), []).append(p)
+    for loop, mine in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(settle_waiters, mine)
+        except RuntimeError:  # the loop closed meanwhile: nobody is waiting
+            pass
+
+
 class Batcher:
     """A queue of requests and one worker thread that runs them through ``predict`` in batches.
 
     ``submit`` returns a ``concurrent.futures.Future`` of the request's outputs;
-    ``infer`` waits for it. ``close`` stops taking requests, finishes the queued
-    ones and joins the worker.
+    ``infer`` waits for it and ``infer_async`` awaits it on an event loop.
+    ``close`` stops taking requests, finishes the queued ones and joins the worker.
     """
 
     def __init__(self, predict: Predict, config: BatchConfig = BatchConfig(), name: str = "model",
@@ -160,11 +189,14 @@ class Batcher:
 
     def submit(self, inputs: Mapping[str, np.ndarray]) -> Future:
         """Queue one request (every input has the same first axis, n >= 1 samples)."""
+        return self._enqueue(inputs).future
+
+    def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
         n = len(next(iter(inputs.values())))
         if n > self.config.max_batch_size:
             raise ValueError(f"a request of {n} samples exceeds max_batch_size={self.config.max_batch_size}; "
                              "split it")
-        pending = Pending(inputs, n, self.clock())
+        pending = Pending(inputs, n, self.clock(), waiter=waiter)
         with self._cond:
             if self._closing:
                 raise ShuttingDown(f"model {self.name!r} is shutting down")
@@ -174,7 +206,7 @@ class Batcher:
             self._queue.append(pending)
             self._queued_samples += n
             self._cond.notify()
-        return pending.future
+        return pending
 
     def infer(self, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
         """Submit and wait (at most ``timeout``, default the config's) for the outputs."""
@@ -186,9 +218,36 @@ class Batcher:
             future.cancel()
             raise RequestTimeout(f"model {self.name!r}: no result within {timeout:g} s") from None
 
+    async def infer_async(self, inputs: Mapping[str, np.ndarray], timeout: float | None = None
+                          ) -> dict[str, np.ndarray]:
+        """Submit and await the outputs on the running event loop, which is never blocked.
+
+        The worker wakes the loop once per batch, not once per request (see
+        :func:`hand_over`); a timer on the loop enforces ``timeout`` (default the
+        config's) and cancels the request if it is still queued, as :meth:`infer` does.
+        """
+        timeout = self.config.timeout_s if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        future = self._enqueue(inputs, waiter).future
+
+        def expire() -> None:
+            if not waiter.done():
+                future.cancel()  # dropped by the worker if still queued
+                waiter.set_exception(RequestTimeout(f"model {self.name!r}: no result within {timeout:g} s"))
+
+        timer = loop.call_later(timeout, expire)
+        try:
+            return await waiter
+        except asyncio.CancelledError:  # the caller went away (client disconnect)
+            future.cancel()
+            raise
+        finally:
+            timer.cancel()
+
     def _take(self, count: int) -> list[Pending]:
         """Pop ``count`` requests; drop those cancelled by their caller or past their timeout."""
-        now, batch = self.clock(), []
+        now, batch, expired = self.clock(), [], []
         for _ in range(count):
             p = self._queue.popleft()
             self._queued_samples -= p.n
@@ -197,8 +256,10 @@ class Batcher:
                     p.future.set_exception(RequestTimeout(
                         f"model {self.name!r}: request waited {now - p.arrived:.3g} s in the queue "
                         f"(timeout {self.config.timeout_s:g} s)"))
+                    expired.append(p)
             elif p.future.set_running_or_notify_cancel():
                 batch.append(p)
+        hand_over(expired)
         return batch
 
     def step(self) -> int:
@@ -239,6 +300,7 @@ class Batcher:
         else:
             for p, out in zip(batch, results):
                 p.future.set_result(out)
+        hand_over(batch)
         if self.on_batch is not None:
             record = BatchRecord(sum(p.n for p in batch), len(batch), tuple(start - p.arrived for p in batch),
                                  self.clock() - start, error)

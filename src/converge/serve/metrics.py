@@ -34,24 +34,44 @@ class ServerMetrics:
         self.compute_seconds = Histogram("converge_compute_seconds", "Time of one model call", ["model"],
                                          buckets=TIME_BUCKETS, registry=r)
         self.queued = Gauge("converge_queue_samples", "Samples waiting in the queue", ["model"], registry=r)
+        self._children: dict[tuple, object] = {}  # (metric, label values) -> child, see _child
 
     def batch_observer(self, model: str):
         """A ``Batcher.on_batch`` callback recording into this registry under ``model``."""
+        # labels() validates and locks on every call: resolve the children once, not per request
+        executions, batch_size = self.executions.labels(model), self.batch_size.labels(model)
+        compute_seconds, queue_seconds = self.compute_seconds.labels(model), self.queue_seconds.labels(model)
+        samples = self.samples.labels(model)
+
         def observe(record: BatchRecord) -> None:
-            self.executions.labels(model).inc()
-            self.batch_size.labels(model).observe(record.samples)
-            self.compute_seconds.labels(model).observe(record.compute_s)
+            executions.inc()
+            batch_size.observe(record.samples)
+            compute_seconds.observe(record.compute_s)
             for q in record.queue_s:
-                self.queue_seconds.labels(model).observe(q)
+                queue_seconds.observe(q)
             if record.error is None:
-                self.samples.labels(model).inc(record.samples)
+                samples.inc(record.samples)
         return observe
 
     def request_done(self, model: str, reason: str | None) -> None:
         """One inference request finished: ``reason`` None for success, else a short failure class."""
-        self.requests.labels(model, "success" if reason is None else "failure").inc()
-        if reason is not None:
-            self.failures.labels(model, reason).inc()
+        if reason is None:
+            self._child(self.requests, model, "success").inc()
+        else:
+            self._child(self.requests, model, "failure").inc()
+            self._child(self.failures, model, reason).inc()
+
+    def http_request(self, method: str, route: str, status: int) -> None:
+        """One HTTP request answered (any route, any status)."""
+        self._child(self.http, method, route, str(status)).inc()
+
+    def _child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, remembered: labels() validates and locks on every call."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -45,8 +45,13 @@ class ValidationError(ValueError):
     """A request that does not match the protocol or the model's signature (HTTP 400)."""
 
 
+DATATYPE_OF = {dt: name for name, dt in DATATYPES.items()}
+
+
 def datatype_of(dtype: np.dtype) -> str:
     """The KServe datatype of a numpy dtype (any byte order)."""
+    if dtype in DATATYPE_OF:  # the common case, a dict lookup: this runs for every tensor of every request
+        return DATATYPE_OF[dtype]
     dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
     for name, dt in DATATYPES.items():
         if dt == dtype:

@@ -5,14 +5,20 @@ Binding to anything but loopback without a token is refused unless
 """
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import logging
+import sys
+import threading
+from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
 from fastapi import FastAPI
 
 from .app import ServerSettings, create_app
+from .app import access_log as access_logger
 from .batcher import BatchConfig
 from .registry import ModelLoadError, ServedModel, load_served_model
 
@@ -67,19 +73,93 @@ def build_app(runs: Sequence[str | Path], settings: ServerSettings = ServerSetti
     return create_app(load_runs(runs, device), settings)
 
 
+def event_loop_and_parser() -> tuple[str, str]:
+    """uvicorn's ``loop`` and ``http``: uvloop and httptools (C) when installed, else asyncio and h11 (Python).
+
+    Named explicitly so a missing package is logged rather than silently costing
+    most of the throughput (``pip install 'uvicorn[standard]'`` brings both).
+    """
+    have = {name: importlib.util.find_spec(name) is not None for name in ("uvloop", "httptools")}
+    if not all(have.values()):
+        log.warning("%s not installed: serving on the pure-Python fallback, several times slower; "
+                    "pip install 'uvicorn[standard]'", " and ".join(n for n, ok in have.items() if not ok))
+    return ("uvloop" if have["uvloop"] else "asyncio"), ("httptools" if have["httptools"] else "h11")
+
+
+class BatchedStreamHandler(logging.Handler):
+    """Keeps records in memory and writes them to ``stream`` from a background thread every ``interval_s``.
+
+    ``emit`` is a list append on the caller's thread: no lock, no syscall, no
+    other thread woken per request (a ``QueueHandler`` wakes its listener for
+    every record, which under load costs the event loop more than the request).
+    Lines reach the stream at most ``interval_s`` late, in order; ``close`` writes the rest.
+    """
+
+    def __init__(self, stream=None, interval_s: float = 0.2) -> None:
+        super().__init__()
+        self.stream, self.interval_s = stream or sys.stderr, interval_s
+        self._records: deque[logging.LogRecord] = deque()  # appended and popped from two threads: no lock needed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._flush_periodically, name="log-writer", daemon=True)
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._records.append(record)
+
+    def flush(self) -> None:
+        lines = []
+        while self._records:
+            lines.append(self.format(self._records.popleft()) + "\n")
+        if lines:
+            self.stream.write("".join(lines))
+            self.stream.flush()
+
+    def _flush_periodically(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.flush()
+        super().close()
+
+
+@contextmanager
+def logging_off_the_event_loop(logger: logging.Logger, interval_s: float = 0.2):
+    """Send ``logger``'s records (and only there) to stderr through a :class:`BatchedStreamHandler`."""
+    handler = BatchedStreamHandler(sys.stderr, interval_s)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        handler.close()
+
+
 def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 64,
           max_queue_delay_us: int = 0, max_queue_size: int = 1024, token: str | None = None,
           insecure: bool = False, device: str = "cpu", timeout_s: float = 30.0,
-          max_body_bytes: int = 64 * 2**20, log_level: str = "info") -> None:
-    """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues)."""
+          max_body_bytes: int = 64 * 2**20, log_level: str = "info", access_log: bool = True) -> None:
+    """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues).
+
+    ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, written by a
+    background thread); turn it off for the last few percent of throughput.
+    """
     import uvicorn
 
     check_bind(host, token, insecure)
     batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s)
-    app = build_app(runs, ServerSettings(batch, max_body_bytes, token), device)
+    app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log), device)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
     for model in app.state.models.values():
         log.info("serving %s (version %s, %s, %s) at http://%s:%d/v2/models/%s", model.name, model.version,
                  model.platform, model.precision, host, port, model.name)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
-                timeout_graceful_shutdown=int(timeout_s) + 5)
+    loop, http = event_loop_and_parser()
+    import os; sys.setswitchinterval(float(os.environ.get("SWI", "0.005")))  # EXPERIMENT
+    with logging_off_the_event_loop(access_logger):
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, loop=loop, http=http,
+                    timeout_graceful_shutdown=int(timeout_s) + 5)
