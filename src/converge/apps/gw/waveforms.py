@@ -98,18 +98,23 @@ def _fit_length(series: np.ndarray, n_freq: int) -> np.ndarray:
     return out
 
 
-def fd_detector_strain(
-    cfg: GWConfig, params: Mapping[str, float], distance_mpc: float = DEFAULT_DISTANCE_MPC
-) -> np.ndarray:
-    """Detector response ``h(f) = F+ h+(f) + Fx hx(f)`` of ``cfg.detector`` [strain/Hz], shape ``(n // 2 + 1,)``."""
-    hp, hc = fd_polarizations(cfg, params, distance_mpc)
-    fplus, fcross = antenna_pattern(
+def source_antenna_pattern(cfg: GWConfig, params: Mapping[str, float]) -> tuple[float, float]:
+    """(F+, Fx) of ``cfg.detector`` for a source's sky position, polarisation and GPS time."""
+    return antenna_pattern(
         cfg.detector,
         float(params.get("ra", 0.0)),
         float(params.get("dec", 0.0)),
         float(params.get("polarization", 0.0)),
         float(params.get("gps_time", REFERENCE_GPS_TIME)),
     )
+
+
+def fd_detector_strain(
+    cfg: GWConfig, params: Mapping[str, float], distance_mpc: float = DEFAULT_DISTANCE_MPC
+) -> np.ndarray:
+    """Detector response ``h(f) = F+ h+(f) + Fx hx(f)`` of ``cfg.detector`` [strain/Hz], shape ``(n // 2 + 1,)``."""
+    hp, hc = fd_polarizations(cfg, params, distance_mpc)
+    fplus, fcross = source_antenna_pattern(cfg, params)
     return fplus * hp + fcross * hc
 
 
@@ -200,13 +205,7 @@ def projected_strain(
         delta_t=1.0 / sample_rate,
         f_lower=cfg.f_lower,
     )
-    fplus, fcross = antenna_pattern(
-        cfg.detector,
-        float(params.get("ra", 0.0)),
-        float(params.get("dec", 0.0)),
-        float(params.get("polarization", 0.0)),
-        float(params.get("gps_time", REFERENCE_GPS_TIME)),
-    )
+    fplus, fcross = source_antenna_pattern(cfg, params)
     strain = fplus * hp.numpy() + fcross * hc.numpy()
     times = float(hp.start_time) + np.arange(len(strain)) / sample_rate
     # LAL's FD->TD conditioning pads long after the merger; keep POST_MERGER_S of it.
