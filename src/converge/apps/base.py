@@ -143,6 +143,10 @@ class App(ABC):
         """(inputs, outputs) of the served model; the first axis of each is the batch."""
         raise NotImplementedError(f"app {self.name!r} does not define a serving signature")
 
+    def serving_example(self, cfg: Any, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+        """``n`` realistic inputs for the served model (benchmarks and smoke tests)."""
+        raise NotImplementedError(f"app {self.name!r} gives no serving example")
+
     def serve_predict(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Outputs by name for a batch of validated inputs (called under inference mode)."""
         raise NotImplementedError(f"app {self.name!r} cannot be served")

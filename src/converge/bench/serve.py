@@ -38,7 +38,6 @@ from .loadgen import InferTarget, LoadProcess
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128)
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FORMATS = ("binary", "json")
-CONFORMER_JITTER_A = 0.05  # Å, Gaussian per coordinate: about the thermal spread of heavy atoms at 300 K
 DISTINCT_REQUESTS = 16  # different samples cycled through by the clients
 
 
@@ -95,27 +94,13 @@ def parse_counts(text: str) -> tuple[int, ...]:
 
 # -- inputs ----------------------------------------------------------------------------------------------------------
 def example_inputs(app_name: str, app_cfg: Any, n: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """``n`` realistic samples for the served model of ``app_name``, in its serving signature's dtypes.
+    """``n`` realistic samples for the served model of ``app_name`` (the app's ``serving_example``)."""
+    from ..apps.base import load_app
 
-    gw: whitened design-PSD noise windows (what the detector sees most of the
-    time). chem: the run's molecule at equilibrium plus ``CONFORMER_JITTER_A``
-    Gaussian jitter, a stand-in for a sampled conformer (which needs a Hessian).
-    """
-    import torch
-
-    if app_name == "gw":
-        from ..apps.gw.pipeline import whitened_noise
-
-        return {"strain": whitened_noise(app_cfg, n, torch.Generator().manual_seed(seed)).numpy()}  # (n, T)
-    if app_name == "chem":
-        from ..apps.chem.molecules import get_molecule
-
-        molecule = get_molecule(app_cfg.molecule)
-        rng = np.random.default_rng(seed)
-        coordinates = molecule.positions[None] + rng.normal(0.0, CONFORMER_JITTER_A, (n, *molecule.positions.shape))
-        species = np.broadcast_to(molecule.atomic_numbers, (n, len(molecule.atomic_numbers)))
-        return {"species": species.astype(np.int64), "coordinates": coordinates.astype(np.float32)}  # (n, A), (n, A, 3)
-    raise ServeBenchError(f"no example inputs for app {app_name!r}; add them to converge.bench.serve.example_inputs")
+    try:
+        return load_app(app_name).serving_example(app_cfg, n, seed)
+    except (KeyError, NotImplementedError) as err:
+        raise ServeBenchError(f"no example inputs for app {app_name!r}: {str(err).strip(chr(39))}") from None
 
 
 # -- the model alone -------------------------------------------------------------------------------------------------

@@ -140,6 +140,15 @@ class ChemApp(App):
         outputs = [TensorSpec("energy", "FP64", (-1,)), TensorSpec("forces", "FP32", (-1, n, 3))]
         return inputs, outputs
 
+    def serving_example(self, cfg: ChemConfig, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+        """Normal-mode-sampled conformers of the run's molecule (xTB modes, cached per process)."""
+        mol = get_molecule(cfg.molecule)
+        modes = reference_modes(cfg)
+        rng = np.random.default_rng(seed)
+        coordinates = np.stack([sample_conformer(modes, cfg.temperature, rng, cfg.min_distance) for _ in range(n)])
+        species = np.broadcast_to(np.asarray(mol.atomic_numbers, dtype=np.int64), (n, len(mol.atomic_numbers)))
+        return {"species": species.copy(), "coordinates": coordinates.astype(np.float32)}  # (n, A), (n, A, 3)
+
     def serve_predict(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Energies (hartree, float64: self-energies added in float64) and forces (hartree/Å)."""
         species = inputs["species"]

@@ -105,6 +105,12 @@ class GWApp(App):
         outputs = [TensorSpec("logit", "FP32", (-1,)), TensorSpec("probability", "FP32", (-1,))]
         return inputs, outputs
 
+    def serving_example(self, cfg: GWConfig, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+        """Whitened design-PSD noise windows: what the detector sees most of the time."""
+        from .pipeline import whitened_noise
+
+        return {"strain": whitened_noise(cfg, n, torch.Generator().manual_seed(seed)).numpy()}  # (n, T)
+
     def serve_predict(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         logit = model(inputs["strain"]).float()
         return {"logit": logit, "probability": torch.sigmoid(logit)}
