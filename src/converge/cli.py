@@ -228,6 +228,7 @@ def serve_cmd(
     token: Optional[str] = typer.Option(None, help="Require `Authorization: Bearer TOKEN`."),
     insecure: bool = typer.Option(False, help="Allow a non-loopback bind without a token."),
     device: str = typer.Option("cpu", help="cpu | cuda | auto."),
+    access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="One JSON line per request on stderr."),
 ) -> None:
     """Serve trained runs over the Open Inference Protocol (KServe v2) with dynamic batching.
 
@@ -241,7 +242,7 @@ def serve_cmd(
     _threads()
     try:
         serve(runs, host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
-              max_queue_size=max_queue_size, token=token, insecure=insecure, device=device)
+              max_queue_size=max_queue_size, token=token, insecure=insecure, device=device, access_log=access_log)
     except (ServeConfigError, ModelLoadError) as err:
         _fail(str(err))
 

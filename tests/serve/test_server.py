@@ -111,11 +111,12 @@ def test_run_specs_and_load_errors(tmp_path):
 
 
 def test_uvloop_and_httptools_are_chosen_when_installed(monkeypatch, caplog):
-    assert event_loop_and_parser() == ("uvloop", "httptools")
     import importlib.util
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "httptools" else real(name))
+    installed = {"uvloop", "httptools"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    assert event_loop_and_parser() == ("uvloop", "httptools")
+    installed.discard("httptools")
     with caplog.at_level(logging.WARNING, logger="converge.serve"):
         assert event_loop_and_parser() == ("uvloop", "h11")
     assert "httptools not installed" in caplog.text and "uvicorn[standard]" in caplog.text
