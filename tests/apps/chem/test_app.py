@@ -3,7 +3,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from ase import Atoms
 from ase.io import read
 

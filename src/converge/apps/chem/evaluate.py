@@ -23,7 +23,6 @@ from ...train.loop import load_model
 from ...units import hartree_to_kcal_mol
 from .config import LEVELS, ChemConfig
 from .dft import dft_energy_forces
-from .molecules import get_molecule
 from .sampling import xtb_energy_forces
 
 
