@@ -76,6 +76,12 @@ def test_corrupt_and_foreign_checkpoints_are_refused(tmp_path, arrays):
         train(GWApp(), CFG, small(), arrays, tmp_path / "empty", resume=True, progress=False)
 
 
+def test_resume_with_other_epochs_is_refused(arrays, tmp_path):
+    train(GWApp(), CFG, small(epochs=2), arrays, tmp_path, progress=False, stop_after=1)
+    with pytest.raises(CheckpointError, match="started with --epochs 2, not 5"):
+        train(GWApp(), CFG, small(epochs=5), arrays, tmp_path, resume=True, progress=False)
+
+
 def test_resume_with_other_app_config_is_refused(arrays, tmp_path):
     train(GWApp(), CFG, small(epochs=1), arrays, tmp_path, progress=False)
     with pytest.raises(CheckpointError, match="different app_config"):

@@ -22,6 +22,7 @@ import torch
 
 from ..apps.base import App, BatchSource
 from ..config import ConfigError, to_dict
+from ..data.atomic import atomic_write_bytes
 from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -180,6 +181,9 @@ def train(
         for key in ("app", "app_config"):
             if saved.get(key) != config.get(key):
                 raise CheckpointError(f"--resume: {run_dir} was trained with a different {key}; use a new --out")
+        if saved["train"]["epochs"] != cfg.epochs:
+            raise CheckpointError(f"--resume continues the same learning-rate schedule: the run was started with "
+                                  f"--epochs {saved['train']['epochs']}, not {cfg.epochs}")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -190,7 +194,7 @@ def train(
         samples_seen = ckpt["samples_seen"]
         history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
         history = [h for h in history if h["epoch"] < start_epoch]
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    atomic_write_bytes(run_dir / "config.json", json.dumps(config, indent=2, sort_keys=True).encode())
     # Rewrite the log to exactly the finished epochs (a kill may have left a later line).
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     writer = _tensorboard(run_dir)
