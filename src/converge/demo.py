@@ -24,6 +24,7 @@ from .apps.gw.detect import detect_file
 from .apps.gw.evaluate import GWEvalConfig
 from .apps.gw.strainfile import make_injection_strain, write_strain
 from .apps.gw.waveforms import sample_bbh_parameters
+from .data.atomic import atomic_write_bytes
 from .data.store import ShardStore
 from .simulate.runner import SimulateConfig, run_ensemble
 from .train.loop import TrainConfig, train
@@ -60,7 +61,7 @@ def run_demo(out: Path, quick: bool = False, workers: int = 2, apps: tuple[str, 
 
         summary["chem"] = run_chem_demo(out / "chem", CHEM_QUICK if quick else ChemDemoSize(), workers)
     summary["seconds"] = time.perf_counter() - t0
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2).encode())
     console.print(f"\n[bold]demo finished in {summary['seconds'] / 60:.1f} min[/]; everything is in {out}/")
     return summary
 

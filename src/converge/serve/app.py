@@ -34,6 +34,7 @@ from .batcher import BatchConfig, Batcher, BatchFailed, QueueFull, RequestTimeou
 from .metrics import ServerMetrics
 from .protocol import HEADER_LENGTH, ValidationError, encode_infer_response, parse_infer_request
 from .registry import ServedModel
+from .worker import ModelProcess
 
 access_log = logging.getLogger("converge.serve.access")
 HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode("latin-1")  # as ASGI spells header names
@@ -252,23 +253,32 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
         if key != model.name:
             raise ValueError(f"models[{key!r}] is named {model.name!r}; key the dict by model name")
     metrics = ServerMetrics()
-    batchers = {name: Batcher(m.predict, settings.batch, name, on_batch=metrics.batch_observer(name), start=False)
+    # with model_process, each model loaded from a run runs its batches in a worker process of its own
+    workers = {name: ModelProcess(m.loader, name) for name, m in models.items()
+               if settings.batch.model_process and m.loader is not None}
+    batchers = {name: Batcher(workers[name].predict if name in workers else m.predict, settings.batch, name,
+                              on_batch=metrics.batch_observer(name), start=False)
                 for name, m in models.items()}
     for name, b in batchers.items():
         metrics.queued.labels(name).set_function(lambda b=b: b.queued_samples)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        for b in batchers.values():
-            b.start()
         try:
+            for w in workers.values():
+                await anyio.to_thread.run_sync(w.start)
+            for b in batchers.values():
+                b.start()
             yield
         finally:  # finish what is queued, then stop the workers
             for b in batchers.values():
                 await anyio.to_thread.run_sync(b.close)
+            for w in workers.values():
+                await anyio.to_thread.run_sync(w.close)
 
     app = ServingApp(title="converge", version=__version__, lifespan=lifespan, openapi_url=None)
     app.state.models, app.state.batchers, app.state.metrics = models, batchers, metrics
+    app.state.workers = workers
 
     async def as_json_error(request: Request, err: Exception) -> JSONResponse:
         return error_response(err)

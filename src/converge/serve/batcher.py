@@ -54,6 +54,8 @@ class BatchConfig:
     max_queue_delay_us: int = 0  # 0: run whatever is queued as soon as the model is free
     max_queue_size: int = 1024  # samples waiting; more -> QueueFull
     timeout_s: float = 30.0  # per request, queue plus compute
+    # run each model's batches in its own worker process (see converge.serve.worker), off the event loop's GIL
+    model_process: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -49,6 +50,8 @@ class ServedModel:
     precision: str = "fp32"  # autocast for bf16/fp16 runs
     platform: str = "pytorch"
     app: str | None = None  # the converge app, when loaded from a run
+    # builds this model again in another process (picklable, e.g. a partial of load_served_model); None: cannot
+    loader: Callable[[], "ServedModel"] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -148,4 +151,4 @@ def load_served_model(run_dir: Path | str, name: str | None = None, version: str
     precision = app.default_precision if precision == "auto" else precision
     return ServedModel(check_model_name(name or run_dir.resolve().name), model, list(inputs), list(outputs),
                        app.serve_predict, version=version, precision=precision, platform=f"converge-{app.name}",
-                       app=app.name)
+                       app=app.name, loader=partial(load_served_model, str(run_dir), name, version, which, device))

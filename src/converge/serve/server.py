@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import logging
+import os
 import sys
 import threading
 from collections import deque
@@ -144,7 +145,8 @@ def logging_off_the_event_loop(logger: logging.Logger, interval_s: float = 0.2):
 def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 64,
           max_queue_delay_us: int = 0, max_queue_size: int = 1024, token: str | None = None,
           insecure: bool = False, device: str = "cpu", timeout_s: float = 30.0,
-          max_body_bytes: int = 64 * 2**20, log_level: str = "info", access_log: bool = True) -> None:
+          max_body_bytes: int = 64 * 2**20, log_level: str = "info", access_log: bool = True,
+          model_process: bool | None = None) -> None:
     """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues).
 
     ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, written by a
@@ -154,7 +156,10 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
     import uvicorn
 
     check_bind(host, token, insecure)
-    batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s)
+    if model_process is None:  # not given: $CONVERGE_SERVE_MODEL_PROCESS (1/0), else BatchConfig's default
+        env = os.environ.get("CONVERGE_SERVE_MODEL_PROCESS", "").strip().lower()
+        model_process = env in ("1", "true", "yes", "on") if env else BatchConfig.model_process
+    batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s, model_process)
     app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log), device)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
     for model in app.state.models.values():

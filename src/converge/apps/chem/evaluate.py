@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ...config import ConfigError, from_dict, to_dict
+from ...data.atomic import atomic_write_bytes
 from ...data.store import ShardStore
 from ...train.loop import load_model
 from ...units import hartree_to_kcal_mol
@@ -141,7 +142,7 @@ def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: ChemEval
         report["hot_energy_mae_kcal_mol"] = report["hot"]["energy_mae_kcal_mol"]
         report["hot_force_mae_kcal_mol_A"] = report["hot"]["force_mae_kcal_mol_A"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2))
+    atomic_write_bytes(out_dir / "evaluation.json", json.dumps(report, indent=2).encode())
     plot_parity(loaded, predictions, report, out_dir)
     return report
 

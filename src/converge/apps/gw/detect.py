@@ -20,6 +20,7 @@ import scipy.signal
 import torch
 
 from ...config import from_dict
+from ...data.atomic import atomic_write_bytes
 from ...train.loop import load_model
 from .app import GWApp
 from .config import GWConfig
@@ -90,7 +91,7 @@ def detect_file(strain_path: Path, run_dir: Path, threshold: float | None = None
               "detector": strain.detector, "gps_start": strain.gps_start, "duration": n / strain.sample_rate,
               "n_windows": int(len(scores)), "seconds": seconds,
               "strain_seconds_per_second": n / strain.sample_rate / seconds, "triggers": triggers, "out": str(out)}
-    out.write_text(json.dumps(result, indent=2))
+    atomic_write_bytes(out, json.dumps(result, indent=2).encode())
     return result
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ...config import ConfigError, to_dict
+from ...data.atomic import atomic_write_bytes
 from ...data.store import ShardStore, sha256_file
 from ...train.loop import autocast_context, load_model
 from .bank import bank_path, load_bank
@@ -182,7 +183,7 @@ def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: GWEvalCo
                           "seconds_per_strain_second": seconds[method] / strain_seconds}
     report["speedup"] = report["matched_filter"]["seconds_per_strain_second"] / report["cnn"]["seconds_per_strain_second"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2))
+    atomic_write_bytes(out_dir / "evaluation.json", json.dumps(report, indent=2).encode())
     plot_evaluation(report, out_dir)
     return report
 
