@@ -247,6 +247,15 @@ class ServingApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def split_predict(local, remote, min_batch: int):
+    """``remote`` for batches of ``min_batch`` samples or more, ``local`` for smaller ones."""
+    def predict(inputs):
+        n = len(next(iter(inputs.values())))
+        return (remote if n >= min_batch else local)(inputs)
+
+    return predict
+
+
 def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = ServerSettings()) -> ServingApp:
     """The KServe v2 app serving ``models`` (by name) with ``settings``."""
     for key, model in models.items():
@@ -256,7 +265,8 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
     # with model_process, each model loaded from a run runs its batches in a worker process of its own
     workers = {name: ModelProcess(m.loader, name) for name, m in models.items()
                if settings.batch.model_process and m.loader is not None}
-    batchers = {name: Batcher(workers[name].predict if name in workers else m.predict, settings.batch, name,
+    batchers = {name: Batcher(split_predict(m.predict, workers[name].predict, settings.batch.model_process_min_batch)
+                              if name in workers else m.predict, settings.batch, name,
                               on_batch=metrics.batch_observer(name), start=False)
                 for name, m in models.items()}
     for name, b in batchers.items():

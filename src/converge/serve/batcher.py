@@ -56,6 +56,9 @@ class BatchConfig:
     timeout_s: float = 30.0  # per request, queue plus compute
     # run each model's batches in its own worker process (see converge.serve.worker), off the event loop's GIL
     model_process: bool = False
+    # with model_process: batches of fewer samples run in the server process (a pipe round trip costs more
+    # than the GIL contention they cause); 1 sends every batch to the worker
+    model_process_min_batch: int = 2
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -64,6 +67,8 @@ class BatchConfig:
             raise ValueError(f"max_queue_delay_us={self.max_queue_delay_us}: must be >= 0 (0 = no waiting)")
         if self.max_queue_size < self.max_batch_size:
             raise ValueError(f"max_queue_size={self.max_queue_size}: must be >= max_batch_size={self.max_batch_size}")
+        if self.model_process_min_batch < 1:
+            raise ValueError(f"model_process_min_batch={self.model_process_min_batch}: must be >= 1")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s}: must be > 0 seconds")
 

@@ -115,7 +115,8 @@ class ModelProcess:
                 self._proc.kill()
             self._proc.join(5)
             code = self._proc.exitcode
-            self._proc.close() if self._proc.exitcode is not None else None
+            if code is not None:
+                self._proc.close()
             self._proc = None
         return code
 
