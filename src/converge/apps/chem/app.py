@@ -43,14 +43,6 @@ def network_energies_forces(model: ANIPotential, species: torch.Tensor, coordina
     return EnergiesForces(energy, -gradient)
 
 
-def energy_force_errors(pred: EnergiesForces, energy: torch.Tensor, forces: torch.Tensor) -> dict[str, float]:
-    """MAE and RMSE of energies (kcal/mol) and MAE of force components (kcal/mol/Å)."""
-    de = hartree_to_kcal_mol((pred.energy.double() - energy.double()))
-    df = hartree_to_kcal_mol((pred.forces.double() - forces.double()))
-    return {"energy_mae_kcal_mol": float(de.abs().mean()), "energy_rmse_kcal_mol": float(de.pow(2).mean().sqrt()),
-            "force_mae_kcal_mol_A": float(df.abs().mean())}
-
-
 def training_self_energies(species: torch.Tensor, energy: torch.Tensor) -> dict[int, float]:
     """Per-element self-energies fitted on the training set, rounded to float32.
 
@@ -127,7 +119,10 @@ class ChemApp(App):
         return e.pow(2).mean() + cfg.force_weight * f.pow(2).mean()
 
     def metrics(self, outputs: EnergiesForces, batches: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        return energy_force_errors(outputs, batches["energy_residual"], batches["forces"])
+        from .evaluate import error_report
+
+        return error_report(outputs.energy.double().numpy(), outputs.forces.double().numpy(),
+                            batches["energy_residual"].double().numpy(), batches["forces"].double().numpy())
 
     def evaluate(self, run_dir: Path, data_dir: Path, out_dir: Path, **options: Any) -> dict:
         from .evaluate import evaluate_run
