@@ -52,13 +52,14 @@ def main() -> None:
     args = ap.parse_args()
 
     app = GWApp()
+    data_cfg = GWConfig()  # the physics; the training-time settings below do not change the ensembles
     cfg = GWConfig(channels=tuple(args.channels), hidden=args.hidden, signal_fraction=args.signal_fraction,
                    snr_min=args.snr_range[0], snr_max=args.snr_range[1])
     ev = GWEvalConfig(n_noise=args.n_noise, n_per_snr=args.n_per_snr, batch_size=512)
     stages: dict[str, float] = {}
     t = time.perf_counter()
     for name, n, seed in (("train", args.train_samples, 101), ("test", args.test_samples, 202)):
-        run_ensemble(app, cfg, SimulateConfig(samples=n, seed=seed, workers=args.workers, shard_size=1000),
+        run_ensemble(app, data_cfg, SimulateConfig(samples=n, seed=seed, workers=args.workers, shard_size=1000),
                      args.out / "data" / name)
     stages["simulate_s"] = time.perf_counter() - t
     if args.matched_filter_only:

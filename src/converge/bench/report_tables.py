@@ -1,0 +1,204 @@
+"""The tables of the report: one function per kind of result file, each returning :class:`Table` s.
+
+A function reads the layout its benchmark writes; :func:`scalar_table` is the
+fallback for a file whose layout it does not know (or no longer matches), so a
+changed benchmark degrades to a plain key/value table instead of a broken page.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+
+class Table(NamedTuple):
+    caption: str
+    header: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+
+
+def fmt(value: Any) -> str:
+    """A cell: 3 significant digits for floats, yes/no for booleans, an en dash for missing values."""
+    if value is None:
+        return "\u2013"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def percent(value: float | None) -> str:
+    return "\u2013" if value is None else f"{100 * value:.0f}%"
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def flatten(obj: Any, prefix: str = "", depth: int = 3) -> Iterable[tuple[str, Any]]:
+    """(dotted key, scalar) pairs of nested dicts, ``depth`` levels down; lists are summarised by length."""
+    if isinstance(obj, Mapping) and depth > 0:
+        for key, value in obj.items():
+            yield from flatten(value, f"{prefix}.{key}" if prefix else str(key), depth - 1)
+    elif isinstance(obj, list):
+        yield prefix, f"[{len(obj)} items]"
+    elif not isinstance(obj, Mapping):
+        yield prefix, obj
+
+
+def scalar_table(result: Mapping[str, Any], caption: str = "values", limit: int = 60) -> list[Table]:
+    """Fallback: the first ``limit`` scalar values of any result, by dotted key."""
+    pairs = [(k, v) for k, v in flatten(result) if not k.startswith("machine.") and k != "machine"][:limit]
+    return [Table(caption, ("key", "value"), [(k, fmt(v)) for k, v in pairs])]
+
+
+def gemm_tables(r: Mapping[str, Any]) -> list[Table]:
+    precisions = list(dict.fromkeys(row["precision"] for row in r["rows"]))
+    sizes = sorted({row["size"] for row in r["rows"]})
+    cells = {(row["size"], row["precision"]): row for row in r["rows"]}
+
+    def cell(row: Mapping[str, Any] | None) -> str:
+        if row is None:
+            return "\u2013"
+        if "skipped" in row:
+            return f"skipped ({row['skipped']})"
+        rel = row.get("relative_to_fp32")
+        return f"{row['tflops']:.3g} ({percent(row.get('fraction_of_peak'))} of peak" + (
+            f", {rel:.2f}x fp32)" if rel is not None else ")")
+
+    main = Table(f"{r['device_name']}, {r['threads']} thread(s): TFLOP/s (fraction of peak, speed-up over fp32)",
+                 ["M = N = K", *precisions], [[s, *(cell(cells.get((s, p))) for p in precisions)] for s in sizes])
+    peaks = r.get("peaks") or {}
+    peak_rows = [[p, fmt(v.get("tflops")), fmt(v.get("flops_per_cycle_per_core")), v.get("unit") or v.get("source"),
+                  fmt(v.get("cores")), fmt(v.get("clock_ghz")), v.get("clock_source") or v.get("matched", "")]
+                 for p, v in peaks.items()]
+    return [main, Table("theoretical peaks", ["precision", "TFLOP/s", "FLOP/cycle/core", "unit or source", "cores",
+                                              "clock GHz", "clock source or match"], peak_rows)]
+
+
+def collectives_tables(r: Mapping[str, Any]) -> list[Table]:
+    summary = [[op, fmt(s["latency_us"]), fmt(s["best_busbw_GBps"]), fmt(s["best_algbw_GBps"]),
+                human_bytes(s["at_bytes"]), fmt(s["all_correct"])] for op, s in r["summary"].items()]
+    ops = list(r["summary"])
+    by = {(row["op"], row["bytes"]): row for row in r["rows"]}
+    sizes = sorted({row["bytes"] for row in r["rows"]})
+
+    def cell(row: Mapping[str, Any] | None) -> str:
+        if row is None:
+            return "\u2013"
+        mark = "" if row["correct"] else " WRONG"
+        return f"{row['busbw_GBps']:.3g} GB/s, {row['seconds'] * 1e6:.3g} us{mark}"
+
+    head = f"{r['backend']}, {r['world']} ranks on {r['device']}"
+    return [Table(f"{head}: summary", ["op", "latency (smallest) us", "best busbw GB/s", "best algbw GB/s",
+                                       "at size", "all checks passed"], summary),
+            Table(f"{head}: bus bandwidth and time per call, by message size S", ["S", *ops],
+                  [[human_bytes(s), *(cell(by.get((op, s))) for op in ops)] for s in sizes])]
+
+
+def serve_tables(r: Mapping[str, Any]) -> list[Table]:
+    rows = []
+    for app, rep in r.items():
+        best = rep["model_only_best"]
+        rows.append([app, rep["precision"], rep["device"], f"{best['samples_per_s']:.4g} (batch {best['batch_size']})",
+                     fmt(rep.get("throughput_single_unbatched")), fmt(rep.get("throughput_batched_best")),
+                     fmt(rep.get("concurrency_batched_best")), fmt(rep.get("p99_ms_batched_best")),
+                     fmt(rep.get("gain_vs_single_unbatched")), percent(rep.get("fraction_of_model_best"))])
+    return [Table("converge serve: samples/s", ["app", "precision", "device", "model alone, best",
+                                                "1 client, unbatched", "batched, best", "at concurrency",
+                                                "p99 ms there", "gain", "of model alone"], rows)]
+
+
+def surrogate_tables(r: Mapping[str, Any]) -> list[Table]:
+    speed, accuracy = [], []
+    for app, e in r["apps"].items():
+        sim, sur = e["simulator_seconds_per_sample"], e["surrogate_seconds_per_sample"]
+        speed.append([app, e["simulator"], fmt(sim["single"]), fmt(sim["batched"]), e["surrogate"],
+                      fmt(sur["single"]), fmt(sur["batched"]), fmt(e["speedup"]["single"]),
+                      fmt(e["speedup"]["batched"])])
+        accuracy += accuracy_rows(app, e["accuracy"])
+    return [Table(f"seconds per sample on {r['device']}, {r['threads']} thread(s)",
+                  ["app", "simulator", "single", "batched", "surrogate", "single", "batched", "speed-up single",
+                   "speed-up batched"], speed),
+            Table("accuracy alongside", ["app", "metric", "value", "source"], accuracy)]
+
+
+def accuracy_rows(app: str, acc: Mapping[str, Any]) -> list[list[str]]:
+    """[app, metric, value, source] rows of a surrogate entry's accuracy (gw: efficiency by FAP, SNR)."""
+    source = acc.get("source")
+    if source is None:
+        return [[app, "\u2013", "\u2013", acc.get("note", "")]]
+    rows = []
+    for key, value in acc.items():
+        if key in ("source", "note", "metric"):
+            continue
+        if key in ("cnn", "matched_filter") and isinstance(value, Mapping):  # gw: {fap: {snr: efficiency}}
+            for fap, by_snr in value.items():
+                rows.append([app, f"{key} efficiency, FAP {fap}",
+                             ", ".join(f"SNR {snr}: {fmt(e)}" for snr, e in by_snr.items()), source])
+        else:
+            rows.append([app, key, fmt(value), source])
+    return rows
+
+
+def precision_tables(r: Mapping[str, Any]) -> list[Table]:
+    rows = []
+    for app, rep in r.items():
+        for precision in ("fp32", "bf16", "fp16"):
+            if precision in rep:
+                values = rep[precision]
+                rows.append([app, precision, *(fmt(values.get(k)) for k in ("samples_per_s", "val_loss", "accuracy",
+                                                                             "efficiency_fap_1e-2", "seconds"))])
+        rows.append([app, "bf16 speed-up", fmt(rep.get("speedup_bf16")), "", "", "", ""])
+    return [Table("training throughput and final validation metrics", ["app", "precision", "samples/s", "val loss",
+                                                                       "accuracy", "efficiency (FAP 1e-2)",
+                                                                       "seconds"], rows)]
+
+
+def gw_tables(r: Mapping[str, Any]) -> list[Table]:
+    snrs = ("6", "8", "10", "12")
+    rows = []
+    for method in ("cnn", "matched_filter"):
+        for fap, by_snr in r[method]["efficiency"].items():
+            rows.append([method, fap, *(fmt(by_snr.get(s)) for s in snrs)])
+    speed = [[m, fmt(r[m]["seconds_per_strain_second"])] for m in ("cnn", "matched_filter")]
+    speed.append(["speed-up (matched filter / CNN)", fmt(r.get("speedup"))])
+    return [Table(f"detection efficiency, {r.get('n_noise')} noise windows, {r.get('n_templates')} templates",
+                  ["method", "FAP per window", *(f"SNR {s}" for s in snrs)], rows),
+            Table(f"compute seconds per second of strain ({r.get('threads')} thread(s))", ["method", "seconds"],
+                  speed)]
+
+
+def chem_tables(r: Mapping[str, Any]) -> list[Table]:
+    rows = []
+    for molecule, rep in r.items():
+        xtb = rep.get("baselines", {}).get("gfn2_xtb", {})
+        speed = rep.get("speed", {})
+        rows.append([molecule, rep.get("level_of_theory"), fmt(rep.get("energy_mae_kcal_mol")),
+                     fmt(rep.get("force_mae_kcal_mol_A")), fmt(rep.get("hot_energy_mae_kcal_mol")),
+                     fmt(xtb.get("energy_mae_kcal_mol")), fmt(speed.get("dft_seconds_per_conformer")),
+                     speed.get("dft_level", ""), fmt(rep.get("speedup_single")), fmt(rep.get("speedup_batched"))])
+    return [Table("ANI potential against DFT (energies kcal/mol, forces kcal/mol/A)",
+                  ["molecule", "trained on", "energy MAE", "force MAE", "hot energy MAE", "GFN2-xTB energy MAE",
+                   "DFT s/conformer", "timed level", "speed-up single", "speed-up batched"], rows)]
+
+
+def machine_table(machine: Mapping[str, Any]) -> Table:
+    """The machine description of :func:`converge.bench.machine.describe_machine` as rows."""
+    cpu = machine.get("cpu", {})
+    rows = [["date (UTC)", machine.get("date")], ["host", machine.get("hostname")], ["OS", machine.get("os")],
+            ["CPU", f"{cpu.get('model_name')} ({cpu.get('vendor')}, family {cpu.get('family')}, "
+                    f"model {cpu.get('model')})"],
+            ["CPU features", ", ".join(cpu.get("flags", [])) or "\u2013"],
+            ["logical CPUs", machine.get("logical_cpus")], ["torch threads", machine.get("torch_threads")],
+            ["clock", f"{fmt(cpu.get('clock_ghz'))} GHz from {cpu.get('clock_source')}"],
+            ["memory", f"{fmt(machine.get('memory_gib'))} GiB"]]
+    for gpu in machine.get("gpus", []) or [None]:
+        rows.append(["GPU", "none (no CUDA device visible)" if gpu is None else
+                     f"{gpu['name']}, {gpu['memory_gib']} GiB, capability {gpu['capability']}, driver "
+                     f"{gpu.get('driver') or '?'}, CUDA {gpu.get('cuda_runtime')}"])
+    rows.append(["Python", machine.get("python")])
+    rows += [[name, version] for name, version in machine.get("versions", {}).items()]
+    return Table("machine", ("", ""), [[k, fmt(v)] for k, v in rows])

@@ -1,0 +1,70 @@
+"""Simulator against surrogate: the quick configuration runs both apps, ratios and accuracy sources are right."""
+import json
+
+import pytest
+
+from converge.bench.surrogate import (
+    SurrogateBenchConfig, accuracy_source, chem_accuracy, gw_accuracy, run_surrogate_benchmark, write_results,
+)
+
+GW_EVALUATION = {"n_noise": 1000, "n_templates": 8,
+                 "cnn": {"efficiency": {"1e-02": {"4": 0.1, "6": 0.7, "8": 0.95, "10": 0.99}}},
+                 "matched_filter": {"efficiency": {"1e-02": {"4": 0.2, "6": 0.75, "8": 0.99, "10": 1.0}}}}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    results = tmp_path_factory.mktemp("results")
+    (results / "gw.json").write_text(json.dumps(GW_EVALUATION))  # no chem.json: its accuracy is missing
+    from dataclasses import replace
+
+    return run_surrogate_benchmark(replace(SurrogateBenchConfig.quick(), results_dir=str(results))), results
+
+
+def test_quick_run_is_well_formed(quick_run, tmp_path):
+    r, results = quick_run
+    assert set(r["apps"]) == {"gw", "chem"} and r["device"] == "cpu"
+    for e in r["apps"].values():
+        assert e["trained"] is False and "untrained" in e["surrogate"]
+        sim, sur = e["simulator_seconds_per_sample"], e["surrogate_seconds_per_sample"]
+        assert sim["single"] > 0 and sur["single"] > 0 and sur["batched"] > 0
+        assert e["speedup"]["single"] == pytest.approx(sim["single"] / sur["single"])
+        assert e["speedup"]["batched"] == pytest.approx((sim["batched"] or sim["single"]) / sur["batched"])
+        assert e["surrogate_batch"] == 16
+    gw = r["apps"]["gw"]
+    assert gw["n_templates"] == 8 and gw["simulator_batch"] == 4 and gw["simulator_seconds_per_sample"]["batched"] > 0
+    assert gw["accuracy"]["source"] == str(results / "gw.json")
+    assert gw["accuracy"]["cnn"] == {"1e-02": {"6": 0.7, "8": 0.95, "10": 0.99}}
+    chem = r["apps"]["chem"]
+    assert chem["molecule"] == "water" and chem["simulator_seconds_per_sample"]["batched"] is None
+    assert "B3LYP" in chem["simulator"] and chem["accuracy"]["source"] is None
+    assert "converge evaluate chem" in chem["accuracy"]["note"]
+    json_path, png_path = write_results(r, tmp_path)
+    assert json.loads(json_path.read_text())["apps"]["gw"]["n_templates"] == 8
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accuracy_comes_from_the_run_before_the_results_folder(tmp_path):
+    run, results = tmp_path / "run", tmp_path / "results"
+    run.mkdir()
+    results.mkdir()
+    (results / "chem.json").write_text(json.dumps({"ethanol": {"energy_mae_kcal_mol": 0.1,
+                                                               "force_mae_kcal_mol_A": 0.8}}))
+    path, report = accuracy_source(str(run), str(results), "chem")
+    assert path == results / "chem.json"
+    assert chem_accuracy(path, report, "ethanol") == {"source": str(path), "molecule": "ethanol",
+                                                      "energy_mae_kcal_mol": 0.1, "force_mae_kcal_mol_A": 0.8}
+    assert chem_accuracy(path, report, "methanol")["source"] is None
+    (run / "evaluation.json").write_text(json.dumps({"energy_mae_kcal_mol": 0.2, "level_of_theory": "B3LYP"}))
+    path, report = accuracy_source(str(run), str(results), "chem")
+    assert path == run / "evaluation.json"
+    assert chem_accuracy(path, report, "ethanol")["energy_mae_kcal_mol"] == 0.2
+    assert accuracy_source(None, str(tmp_path / "nowhere"), "gw") == (None, None)
+    assert gw_accuracy(None, None)["source"] is None
+
+
+def test_config_errors_say_how_to_fix_them():
+    with pytest.raises(ValueError, match="choose from gw, chem"):
+        SurrogateBenchConfig(apps=("weather",))
+    with pytest.raises(ValueError, match="give cpu or cuda"):
+        SurrogateBenchConfig(device="tpu")
