@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: demo test install clean
+.PHONY: demo test install browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/converge demo --out demo-output
 
-test: $(STAMP)
+# The report test renders the HTML in headless Chromium; as root with apt, install Debian's
+# (without it that one test skips and says so).
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+	  || echo "chromium not installed: the report render test will skip"; }
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 clean:
