@@ -44,7 +44,8 @@ def _tables(config: Optional[Path], sets: Optional[list[str]]) -> tuple[dict[str
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, every rank fails alike; one says why
+        console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(code)
 
 
@@ -110,18 +111,37 @@ def train_cmd(
     data: Path = typer.Option(..., "--data", "-d", help="Dataset directory made by `converge simulate`."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory for checkpoints, metrics and config."),
     epochs: Optional[int] = typer.Option(None, help="Training epochs."),
-    batch_size: Optional[int] = typer.Option(None, help="Batch size."),
+    batch_size: Optional[int] = typer.Option(None, help="Samples per optimizer step, all processes together."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate of the one-cycle schedule."),
     precision: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32: autocast precision (auto = the app default, measured: gw bf16, chem fp32; fp16 uses a GradScaler)."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N."),
-    resume: bool = typer.Option(False, help="Continue from OUT/last.pt at the next epoch."),
+    resume: bool = typer.Option(False, help="Continue from OUT/last.pt (OUT/last.dcp/ with --shard) at the next "
+                                "epoch, on any number of processes."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="Processes on this machine: N > 1 re-launches this "
+                                        "command through torchrun (python -m torch.distributed.run --standalone "
+                                        "--nproc-per-node N) for data-parallel training: one GPU per process on "
+                                        "CUDA, Gloo on the CPU. Across nodes, run `torchrun ... -m converge train "
+                                        "...` on each node instead, without --nproc."),
+    bucket_cap_mb: Optional[float] = typer.Option(None, "--bucket-cap-mb", help="DDP gradient bucket size in MB "
+                                                  "(default 25): bigger buckets mean fewer, larger all-reduces, "
+                                                  "less overlap with the backward pass."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Micro-steps per optimizer step (default "
+                                             "1). --batch-size stays the samples per optimizer step, split over "
+                                             "processes and micro-steps; gradients are synchronised on the last "
+                                             "micro-step only."),
+    shard: Optional[bool] = typer.Option(None, "--shard/--no-shard", help="Shard parameters, gradients and "
+                                         "optimizer state over the processes (FSDP2) instead of replicating them "
+                                         "(DDP). Checkpoints become OUT/last.dcp/ directories "
+                                         "(torch.distributed.checkpoint), loadable on any number of processes; "
+                                         "needs bf16 or fp32."),
     config: Optional[Path] = ConfigOpt,
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
-    """Train the app's surrogate on a simulated dataset (AdamW, one-cycle LR, autocast)."""
+    """Train the app's surrogate on a simulated dataset (AdamW, one-cycle LR, autocast, DDP or FSDP)."""
     from .apps.base import load_app
     from .data.store import ShardStore, sha256_file
     from .train.checkpoint import CheckpointError
+    from .train.distributed import launched_by_torchrun, plan_steps
     from .train.loop import TrainConfig, train
 
     _threads()
@@ -133,19 +153,57 @@ def train_cmd(
         app_cfg = load_section(application.config_cls, app_tables, "app", ov.get("app"))
         cfg = load_section(TrainConfig, tables, "train", {
             **ov.get("train", {}), "epochs": epochs, "batch_size": batch_size, "lr": lr,
-            "precision": precision, "device": device})
-        arrays = store.load()
+            "precision": precision, "device": device, "bucket_cap_mb": bucket_cap_mb,
+            "grad_accum_steps": grad_accum, "shard": shard})
     except (ConfigError, KeyError, FileNotFoundError, ValueError, StoreError) as err:
         _fail(str(err).strip("'\""))
-    console.print(f"training {app} on {len(store)} samples from {data} -> {out} ({cfg.precision}, {cfg.device})")
+    if nproc is not None:
+        if nproc < 1:
+            _fail(f"--nproc {nproc}: give the number of processes, >= 1")
+        if launched_by_torchrun():
+            _fail("--nproc re-launches the command through torchrun; under torchrun leave --nproc out")
+        if nproc > 1:
+            try:  # the ranks would all fail alike after starting
+                plan_steps(len(store), cfg.batch_size, nproc, cfg.grad_accum_steps)
+            except ConfigError as err:
+                _fail(str(err))
+            command = torchrun_command(sys.argv[1:], nproc)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(command[0], command)  # torchrun runs this command again in every process
+    try:
+        arrays = store.load()
+    except (ValueError, StoreError) as err:
+        _fail(str(err))
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if main_rank:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        mode = ("FSDP" if cfg.shard else "DDP") + f" over {world} processes" if world > 1 or cfg.shard else "1 process"
+        console.print(f"training {app} on {len(store)} samples from {data} -> {out} "
+                      f"({cfg.precision}, {cfg.device}, {mode})")
     try:
         result = train(application, app_cfg, cfg, arrays, out, resume=resume,
                        extra_config={"data": str(data), "data_manifest_sha256": sha256_file(Path(data) / "manifest.json")})
-    except CheckpointError as err:
+    except (CheckpointError, ConfigError) as err:
         _fail(str(err))
-    console.print(f"best {application.monitor.name} {result.best_value:.4f} at epoch {result.best_epoch + 1}; "
-                  f"{result.samples_seen} samples seen in {result.seconds:.0f} s"
-                  + ("; stopped early" if result.stopped_early else ""))
+    if main_rank:
+        console.print(f"best {application.monitor.name} {result.best_value:.4f} at epoch {result.best_epoch + 1}; "
+                      f"{result.samples_seen} samples seen in {result.seconds:.0f} s"
+                      + ("; stopped early" if result.stopped_early else ""))
+
+
+def torchrun_command(args: list[str], nproc: int) -> list[str]:
+    """``converge ARGS`` as a torchrun launch of ``nproc`` local processes, with ``--nproc`` taken out."""
+    rest, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "converge", *rest]
 
 
 @cli.command("evaluate")

@@ -1,4 +1,4 @@
-"""The generic training loop: AdamW, one-cycle schedule, autocast, checkpoints.
+"""The generic training loop: AdamW, one-cycle schedule, autocast, checkpoints, DDP/FSDP.
 
 ``train(app, app_cfg, cfg, arrays, run_dir)`` knows nothing of the science: the
 app supplies the model, the batch sources, the loss and the metrics. Each epoch
@@ -6,6 +6,13 @@ ends with validation, a JSON line in ``metrics.jsonl``, TensorBoard scalars and
 an atomic ``last.pt`` (and ``best.pt`` when the monitored metric improved).
 ``resume=True`` continues from ``last.pt`` at the next epoch with every RNG
 restored, so the resumed run sees the same batches an uninterrupted one would.
+
+Under ``torchrun`` every rank calls ``train`` with the same arguments: the model
+trains data-parallel (DDP) or, with ``cfg.shard``, fully sharded (FSDP2, with
+``last.dcp/`` sharded checkpoints), each optimizer step still consuming
+``batch_size`` samples in all (:mod:`converge.train.distributed`). Rank 0 writes
+every file; checkpoints hold the unwrapped model, so a run resumes on any number
+of ranks and its model loads in one process.
 """
 from __future__ import annotations
 
@@ -23,7 +30,12 @@ import torch
 from ..apps.base import App, BatchSource
 from ..config import ConfigError, to_dict
 from ..data.atomic import atomic_write_bytes
-from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (CheckpointError, checkpoint_path, load_checkpoint, load_sharded_checkpoint,
+                         load_sharded_model, remove_checkpoints, rng_state, save_checkpoint, save_sharded_checkpoint,
+                         set_rng_state, sharded_path)
+from .distributed import (BatchForward, Ranks, StepPlan, all_reduce_sum, barrier, broadcast_from_main,
+                          gradient_sync, plan_steps, process_group, rank_batches, unused_parameters, wrap_model)
+from .distributed import resolve_device  # noqa: F401 (imported from here by converge.serve)
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -33,7 +45,7 @@ class TrainConfig:
     """Settings of ``converge train`` (the ``[train]`` table)."""
 
     epochs: int = 8
-    batch_size: int = 64
+    batch_size: int = 64  # samples per optimizer step, all ranks and accumulation steps together
     lr: float = 2e-3
     weight_decay: float = 1e-4
     warmup_fraction: float = 0.1
@@ -43,6 +55,9 @@ class TrainConfig:
     val_fraction: float = 0.1
     patience: int = 4
     seed: int = 0
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
+    grad_accum_steps: int = 1  # micro-steps per optimizer step; gradients are synchronised on the last only
+    shard: bool = False  # FSDP2: shard parameters, gradients and optimizer state over the ranks
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -61,6 +76,18 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_fraction={self.warmup_fraction}: must be in [0, 1)")
         if self.patience < 1:
             raise ConfigError(f"train.patience={self.patience}: must be >= 1")
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"train.bucket_cap_mb={self.bucket_cap_mb}: must be > 0 MB (DDP's gradient "
+                              "bucket size; PyTorch's default is 25)")
+        if self.grad_accum_steps < 1:
+            raise ConfigError(f"train.grad_accum_steps={self.grad_accum_steps}: must be >= 1 (1: no accumulation)")
+        if self.batch_size % self.grad_accum_steps:
+            raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by train.grad_accum_steps="
+                              f"{self.grad_accum_steps}: each optimizer step is split into equal micro-batches; "
+                              f"use a batch size that is a multiple of {self.grad_accum_steps}")
+        if self.shard and self.precision == "fp16":
+            raise ConfigError("train.shard=true with train.precision='fp16': fp16's gradient scaler is not "
+                              "supported on sharded parameters; use bf16 or fp32, or train without --shard")
 
 
 @dataclass
@@ -72,12 +99,6 @@ class TrainResult:
     seconds: float
     samples_seen: int
     history: list[dict[str, Any]] = field(default_factory=list)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def autocast_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -92,17 +113,17 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
 
 
 def evaluate_source(
-    app: App, app_cfg: Any, model: torch.nn.Module, source: BatchSource, cfg: TrainConfig, device: torch.device
+    app: App, app_cfg: Any, net: torch.nn.Module, source: BatchSource, cfg: TrainConfig, device: torch.device
 ) -> dict[str, float]:
-    """Loss and app metrics of ``model`` over a whole (fixed) source."""
-    model.eval()
+    """Loss and app metrics over a whole (fixed) source; ``net(batch)`` gives the app's output."""
+    net.eval()
     outputs, batches, losses, counts = [], [], [], []
     # Apps whose outputs are derivatives (forces = -dE/dr) need autograd at inference.
     grad_mode = torch.enable_grad() if app.grad_at_inference else torch.inference_mode()
     with grad_mode, autocast_context(device, cfg.precision):
         for batch in source.batches(0, cfg.batch_size):
             batch = to_device(batch, device)
-            out = detach_output(app.forward(model, batch))
+            out = detach_output(net(batch))
             n = len(next(iter(batch.values())))
             losses.append(float(app.loss(app_cfg, out, batch)) * n)
             counts.append(n)
@@ -153,53 +174,70 @@ def train(
     ``stop_after`` ends the run after that many epochs in this call, as a kill
     between epochs would (the schedule still spans ``cfg.epochs``).
     """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=app.default_precision)
-    device = resolve_device(cfg.device)
+    with process_group(cfg.device, cfg.shard) as (ranks, device):
+        return _train(app, app_cfg, cfg, arrays, Path(run_dir), resume, progress, extra_config, stop_after,
+                      ranks, device)
+
+
+def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.ndarray], run_dir: Path, resume: bool,
+           progress: bool, extra_config: Mapping[str, Any] | None, stop_after: int | None, ranks: Ranks,
+           device: torch.device) -> TrainResult:
+    if ranks.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     config = {"app": app.name, "app_config": to_dict(app_cfg), "train": to_dict(cfg), **(extra_config or {})}
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
     model = app.make_model(app_cfg).to(device)
     train_src, val_src = app.make_datasets(app_cfg, arrays, cfg.seed, cfg.val_fraction)
     config["n_train_samples"], config["n_val_samples"] = len(train_src), len(val_src)
-    if not resume:
+    plan = plan_steps(len(train_src), cfg.batch_size, ranks.world, cfg.grad_accum_steps)
+    ckpt = _resume_state(run_dir, cfg, config) if resume else None
+    if ckpt is None:
         app.fit_to_data(model, train_src)  # e.g. per-element self-energies; restored from the checkpoint on resume
-    steps_per_epoch = math.ceil(len(train_src) / cfg.batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    elif not cfg.shard:
+        model.load_state_dict(ckpt["model"])
+    net = BatchForward(app, model)
+    find_unused = False
+    if ranks.world > 1 and not cfg.shard:
+        probe = to_device(next(iter(val_src.batches(0, plan.micro_batch))), device)
+        find_unused = bool(unused_parameters(net, lambda out, b: app.loss(app_cfg, out, b), probe))
+    wrapped = wrap_model(net, ranks, device, shard=cfg.shard, bucket_cap_mb=cfg.bucket_cap_mb,
+                         find_unused=find_unused)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch,
+        optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * plan.optimizer_steps,
         pct_start=max(cfg.warmup_fraction, 1e-3), anneal_strategy="cos",
     )
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     start_epoch, best_value, best_epoch, bad_epochs, samples_seen = 0, None, -1, 0, 0
     history: list[dict[str, Any]] = []
-    if resume:
-        ckpt = load_checkpoint(run_dir / "last.pt")
-        saved = ckpt["config"]
-        for key in ("app", "app_config"):
-            if saved.get(key) != config.get(key):
-                raise CheckpointError(f"--resume: {run_dir} was trained with a different {key}; use a new --out")
-        if saved["train"]["epochs"] != cfg.epochs:
-            raise CheckpointError(f"--resume continues the same learning-rate schedule: the run was started with "
-                                  f"--epochs {saved['train']['epochs']}, not {cfg.epochs}")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt is not None:
+        if cfg.shard:
+            load_sharded_checkpoint(run_dir / "last.dcp", wrapped, optimizer)
+        else:
+            optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
         set_rng_state(ckpt["rng"])
         start_epoch = ckpt["epoch"] + 1
         best_value, best_epoch, bad_epochs = ckpt["best_value"], ckpt["best_epoch"], ckpt["bad_epochs"]
         samples_seen = ckpt["samples_seen"]
-        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-        history = [h for h in history if h["epoch"] < start_epoch]
-    atomic_write_bytes(run_dir / "config.json", json.dumps(config, indent=2, sort_keys=True).encode())
-    # Rewrite the log to exactly the finished epochs (a kill may have left a later line).
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-    writer = _tensorboard(run_dir)
+        if ranks.main:
+            history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+            history = [h for h in history if h["epoch"] < start_epoch]
+        history = broadcast_from_main(history)
+    writer = None
+    if ranks.main:
+        if ckpt is None:
+            remove_checkpoints(run_dir)  # a fresh run in an old folder: no stale best or last
+        atomic_write_bytes(run_dir / "config.json", json.dumps(config, indent=2, sort_keys=True).encode())
+        # Rewrite the log to exactly the finished epochs (a kill may have left a later line).
+        atomic_write_bytes(run_dir / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history).encode())
+        writer = _tensorboard(run_dir)
     t0, stopped_early, epochs_run = time.perf_counter(), False, 0
-    with _progress(progress) as bar:
+    with _progress(progress and ranks.main) as bar:
         for epoch in range(start_epoch, cfg.epochs):
             if bad_epochs >= cfg.patience:
                 stopped_early = True
@@ -207,30 +245,20 @@ def train(
             if stop_after is not None and epoch - start_epoch >= stop_after:
                 break
             app.on_epoch_start(train_src, epoch, cfg.epochs)
-            task = bar.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=steps_per_epoch, info="") if bar else None
-            model.train()
-            t_epoch, loss_sum, n_sum = time.perf_counter(), 0.0, 0
-            for batch in train_src.batches(epoch, cfg.batch_size):
-                batch = to_device(batch, device)
-                with autocast_context(device, cfg.precision):
-                    loss = app.loss(app_cfg, app.forward(model, batch), batch)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
-                n = len(next(iter(batch.values())))
-                loss_sum, n_sum = loss_sum + float(loss.detach()) * n, n_sum + n
-                if bar:
-                    bar.update(task, advance=1, info=f"loss {loss_sum / n_sum:.4f}")
-            samples_seen += n_sum
+            task = bar.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=plan.optimizer_steps, info="") if bar else 0
+            on_step = (lambda mean, task=task: bar.update(task, advance=1, info=f"loss {mean:.4f}")) if bar else None
+            t_epoch = time.perf_counter()
+            loss_sum, n_sum = _train_epoch(app, app_cfg, cfg, wrapped, train_src, epoch, plan, ranks, device,
+                                           optimizer, scheduler, scaler, on_step)
+            loss_sum, n_sum = all_reduce_sum([loss_sum, n_sum], device)
+            samples_seen += int(n_sum)
             epochs_run += 1
             train_seconds = time.perf_counter() - t_epoch
             record = {"epoch": epoch, "train_loss": loss_sum / max(n_sum, 1), "lr": scheduler.get_last_lr()[0],
-                      "samples_per_s": n_sum / train_seconds, "samples_seen": samples_seen,
-                      **evaluate_source(app, app_cfg, model, val_src, cfg, device)}
+                      "samples_per_s": n_sum / train_seconds, "samples_seen": samples_seen}
+            if ranks.main or cfg.shard:  # a sharded model's forward needs every rank
+                record.update(evaluate_source(app, app_cfg, net, val_src, cfg, device))
+            record = broadcast_from_main(record)  # every rank takes rank 0's decisions
             value = record[app.monitor.name]
             improved = app.monitor.better(value, best_value)
             if improved:
@@ -239,28 +267,102 @@ def train(
                 bad_epochs += 1
             record["seconds"] = time.perf_counter() - t_epoch
             history.append(record)
-            payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
-                       "epoch": epoch, "best_value": best_value, "best_epoch": best_epoch,
-                       "bad_epochs": bad_epochs, "samples_seen": samples_seen, "config": config}
-            if improved:
-                save_checkpoint(run_dir / "best.pt", payload)
-            save_checkpoint(run_dir / "last.pt", payload)
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if writer:
-                for key, val in record.items():
-                    if isinstance(val, (int, float)) and key != "epoch":
-                        writer.add_scalar(key, val, epoch)
-                writer.flush()
+            meta = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
+                    "epoch": epoch, "best_value": best_value, "best_epoch": best_epoch,
+                    "bad_epochs": bad_epochs, "samples_seen": samples_seen, "config": config}
+            if cfg.shard:
+                save_sharded_checkpoint(run_dir / "last.dcp", wrapped, optimizer, meta, ranks.main,
+                                        also=run_dir / "best.dcp" if improved else None)
+            elif ranks.main:
+                payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}
+                if improved:
+                    save_checkpoint(run_dir / "best.pt", payload)
+                save_checkpoint(run_dir / "last.pt", payload)
+            if ranks.main:
+                _log_epoch(run_dir, writer, record)
             if bar:
                 bar.update(task, info=f"loss {record['train_loss']:.4f}  {app.monitor.name} {value:.4f}"
                            + ("  *best*" if improved else ""))
     if writer:
         writer.close()
+    finished = stopped_early or start_epoch + epochs_run >= cfg.epochs
+    if cfg.shard and finished and ranks.main:
+        _write_consolidated(app, app_cfg, run_dir)
+    barrier()
     return TrainResult(best_epoch=best_epoch, best_value=float(best_value if best_value is not None else math.nan),
                        epochs_run=epochs_run, stopped_early=stopped_early,
                        seconds=time.perf_counter() - t0, samples_seen=samples_seen, history=history)
+
+
+def _train_epoch(app: App, app_cfg: Any, cfg: TrainConfig, model: torch.nn.Module, source: BatchSource, epoch: int,
+                 plan: StepPlan, ranks: Ranks, device: torch.device, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, scaler: torch.amp.GradScaler, on_step: Any) -> tuple[float, int]:
+    """One epoch of optimizer steps; returns this rank's (sum of sample losses, samples)."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, n_sum = torch.zeros((), dtype=torch.float64, device=device), 0
+    for k, (batch, weight) in enumerate(rank_batches(source, epoch, plan, ranks)):
+        step_ends = (k + 1) % plan.accum == 0 or k + 1 == plan.micro_steps
+        batch = to_device(batch, device)
+        with gradient_sync(model, enabled=step_ends):  # DDP all-reduces on the step's last micro-batch only
+            with autocast_context(device, cfg.precision):
+                loss = app.loss(app_cfg, model(batch), batch)
+            scaler.scale(loss if weight == 1 else loss * weight).backward()
+        if weight:
+            n = len(next(iter(batch.values())))
+            loss_sum, n_sum = loss_sum + loss.detach().double() * n, n_sum + n
+        if step_ends:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            if on_step:
+                on_step(float(loss_sum) / max(n_sum, 1))
+    return float(loss_sum), n_sum
+
+
+def _resume_state(run_dir: Path, cfg: TrainConfig, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The last checkpoint (only its metadata for a sharded one), checked against this run's config."""
+    sharded = sharded_path(run_dir / "last.dcp")
+    if cfg.shard and sharded is None and (run_dir / "last.pt").is_file():
+        raise CheckpointError(f"--resume: {run_dir} was trained without --shard (it holds last.pt, not "
+                              "last.dcp/); resume without --shard")
+    if not cfg.shard and sharded is not None:
+        raise CheckpointError(f"--resume: {run_dir} was trained with --shard (it holds last.dcp/); "
+                              "resume with --shard")
+    ckpt = load_checkpoint((sharded or run_dir / "last.dcp") / "meta.pt" if cfg.shard else run_dir / "last.pt")
+    saved = ckpt["config"]
+    for key in ("app", "app_config"):
+        if saved.get(key) != config.get(key):
+            raise CheckpointError(f"--resume: {run_dir} was trained with a different {key}; use a new --out")
+    for key, flag in (("epochs", "--epochs"), ("batch_size", "--batch-size")):
+        if saved["train"][key] != getattr(cfg, key):
+            raise CheckpointError(f"--resume continues the same learning-rate schedule: the run was started with "
+                                  f"{flag} {saved['train'][key]}, not {getattr(cfg, key)}")
+    return ckpt
+
+
+def _write_consolidated(app: App, app_cfg: Any, run_dir: Path) -> None:
+    """``best.pt`` and ``last.pt`` (model and config) gathered from a sharded run's ``.dcp`` checkpoints."""
+    for which in ("best", "last"):
+        if sharded_path(run_dir / f"{which}.dcp") is None:
+            continue
+        model = app.make_model(app_cfg)
+        meta = load_sharded_model(run_dir / f"{which}.dcp", model)
+        save_checkpoint(run_dir / f"{which}.pt", {"model": model.state_dict(), "config": meta["config"],
+                                                  "epoch": meta["epoch"], "consolidated_from": f"{which}.dcp"})
+
+
+def _log_epoch(run_dir: Path, writer: Any, record: Mapping[str, Any]) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if writer:
+        for key, val in record.items():
+            if isinstance(val, (int, float)) and key != "epoch":
+                writer.add_scalar(key, val, record["epoch"])
+        writer.flush()
 
 
 def _tensorboard(run_dir: Path):
@@ -272,14 +374,19 @@ def _tensorboard(run_dir: Path):
 
 
 def load_model(app: App, run_dir: Path, which: str = "best", device: str = "cpu") -> tuple[torch.nn.Module, dict]:
-    """The trained model of a run (eval mode) and the run's config."""
-    ckpt = load_checkpoint(Path(run_dir) / f"{which}.pt")
+    """The trained model of a run (eval mode) and the run's config; a sharded run's is gathered here."""
+    from ..config import from_dict
+
+    path = checkpoint_path(Path(run_dir), which)
+    sharded = path.suffix == ".dcp" or path.name.endswith(".dcp.old")
+    ckpt = load_checkpoint(path / "meta.pt" if sharded else path)
     config = ckpt["config"]
     if config["app"] != app.name:
         raise CheckpointError(f"{run_dir} holds a {config['app']!r} model, not {app.name!r}")
-    from ..config import from_dict
-
     app_cfg = from_dict(app.config_cls, config["app_config"], "app")
     model = app.make_model(app_cfg)
-    model.load_state_dict(ckpt["model"])
+    if sharded:
+        load_sharded_model(path, model)
+    else:
+        model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), config

@@ -1,0 +1,446 @@
+"""Data-parallel training on the CPU with Gloo, measured, and a model of it on 8 to 512 GPUs.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scale_ddp.py           # full run (minutes on 2 cores)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scale_ddp.py --quick   # smoke run, written under runs/
+
+Reference models (one training step: forward, loss, backward, gradient clip, AdamW; the apps' precisions):
+- ``gw``: the gw app's DetectionCNN (default GWConfig), bf16 autocast, whitened-noise windows;
+- ``chem``: the chem app's ANIPotential (default ChemConfig: ethanol, 160-128-96 networks), fp32, energies
+  and forces (double backward), on G2 ethanol geometries displaced by 0.03 Å Gaussian noise with
+  synthetic labels (labels change no timing; a DFT dataset would only cost minutes to make);
+- ``mlp``: a 512-1024-512-1 GELU MLP (1.05 M parameters) on random data: little compute per
+  gradient byte, the communication-bound case.
+
+Measured, in one launch of 2 processes (per-rank batch fixed, so the global batch doubles):
+samples/s in 1 process, in 2 DDP processes, and the bare ceiling (2 processes training at
+once without communicating); the all-reduce share of a DDP step, both exposed
+(1 - t(no_sync) / t(sync)) and busy (the time a DDP comm hook sees all-reduces in
+flight, over the step time); what bucket size (1, 25, 100 MB), gradient accumulation
+(1 or 4 micro-steps per synchronisation) and overlap (DDP's bucketed all-reduce during
+the backward against one all-reduce after it) buy; Gloo all-reduce times over message
+sizes, fitted as t = alpha + bytes / beta.
+
+The scaling model predicts the efficiency t_compute / t_step at 8, 64 and 512 GPUs
+with the ring all-reduce time 2(n-1)/n * bytes / bw + 2(n-1) * alpha (fp32 gradients),
+in two forms: no overlap (t_step = t_compute + t_allreduce) and overlap with the
+backward, taken as 2/3 of the compute (t_step = t_compute/3 + max(2 t_compute/3,
+t_allreduce)). It is checked against the measured 2-process Gloo efficiency first.
+Merges the keys "ddp" and "scaling_model" into benchmarks/results/scale.json and
+draws benchmarks/results/scale_ddp.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from converge.data.atomic import atomic_write_bytes
+from converge.train.distributed import BatchForward, Ranks, gradient_sync, unused_parameters, wrap_model
+from converge.train.loop import autocast_context
+
+RESULTS = Path(__file__).parent / "results"
+MODELS = ("gw", "chem", "mlp")
+PER_RANK_BATCH = {"gw": 64, "chem": 32, "mlp": 256}
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Case:
+    """A reference model and one per-rank batch for it."""
+
+    net: nn.Module  # net(batch) -> output
+    loss: Callable[[Any, dict], torch.Tensor]
+    batch: dict[str, torch.Tensor]
+    precision: str
+
+
+class MLPOnBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 1))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.mlp(batch["input"]).squeeze(-1)  # (B,)
+
+
+def make_case(name: str, batch_size: int, seed: int) -> Case:
+    """The model (same initial weights on every rank) and a batch drawn with ``seed``."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
+    if name == "gw":
+        from converge.apps.gw.app import GWApp
+        from converge.apps.gw.config import GWConfig
+
+        app, cfg = GWApp(), GWConfig()
+        batch = {"input": torch.randn(batch_size, cfg.window_samples, generator=g),
+                 "label": (torch.rand(batch_size, generator=g) < 0.5).float(), "snr": torch.zeros(batch_size)}
+        return Case(BatchForward(app, app.make_model(cfg)), lambda out, b: app.loss(cfg, out, b), batch, "bf16")
+    if name == "chem":
+        from converge.apps.chem import ChemApp
+        from converge.apps.chem.config import ChemConfig
+        from converge.apps.chem.molecules import get_molecule
+
+        app, cfg = ChemApp(), ChemConfig()
+        mol = get_molecule(cfg.molecule)
+        r0 = torch.tensor(np.array(mol.positions), dtype=torch.float64)  # (A, 3) Å
+        coords = r0 + 0.03 * torch.randn(batch_size, *r0.shape, generator=g, dtype=torch.float64)
+        batch = {"species": torch.as_tensor(mol.atomic_numbers).repeat(batch_size, 1), "coordinates": coords,
+                 "energy_residual": torch.zeros(batch_size, dtype=torch.float64),
+                 "forces": torch.zeros_like(coords)}
+        return Case(BatchForward(app, app.make_model(cfg)), lambda out, b: app.loss(cfg, out, b), batch, "fp32")
+    if name == "mlp":
+        batch = {"input": torch.randn(batch_size, 512, generator=g), "target": torch.randn(batch_size, generator=g)}
+        return Case(MLPOnBatch(), lambda out, b: (out - b["target"]).pow(2).mean(), batch, "fp32")
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def n_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, case: Case, sync: bool = True,
+               accum: int = 1, allreduce_after: bool = False) -> None:
+    """One optimizer step of ``accum`` micro-steps; ``allreduce_after``: no overlap, one flat all-reduce."""
+    for k in range(accum):
+        last = k == accum - 1
+        with gradient_sync(model, sync and last and not allreduce_after):
+            with autocast_context(CPU, case.precision):
+                loss = case.loss(model(case.batch), case.batch)
+            (loss / accum).backward()
+    if allreduce_after:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_seconds(step: Callable[[], None], warmup: int, steps: int) -> float:
+    """Median seconds per call after ``warmup`` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class AllreduceClock:
+    """A DDP comm hook that all-reduces (averaging) and records each bucket's (start, end) times."""
+
+    def __init__(self) -> None:
+        self.intervals: list[tuple[float, float]] = []
+
+    def hook(self, state, bucket):  # unannotated: DDP checks the annotations, which are strings here
+        t0 = time.perf_counter()
+        work = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True)
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            self.intervals.append((t0, time.perf_counter()))
+            return fut.value()[0]
+
+        return work.get_future().then(done)
+
+    def busy_seconds(self) -> float:
+        """Length of the union of the recorded intervals (buckets in flight together count once)."""
+        total, end = 0.0, -np.inf
+        for a, b in sorted(self.intervals):
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return total
+
+
+def measure_model(name: str, ranks: Ranks, warmup: int, steps: int) -> dict[str, Any]:
+    """Every measurement of one model; collective: both ranks call it, rank 0's numbers are returned."""
+    b, world = PER_RANK_BATCH[name], ranks.world
+
+    def fresh(ddp: bool = True, bucket_cap_mb: float = 25.0) -> tuple[nn.Module, torch.optim.Optimizer, Case]:
+        case = make_case(name, b, seed=ranks.rank)
+        model = case.net
+        if ddp:  # as the trainer does: look for unused parameters (chem's N network) only if there are some
+            find_unused = bool(unused_parameters(case.net, case.loss, case.batch))  # type: ignore[arg-type]
+            model = wrap_model(case.net, ranks, CPU, shard=False, bucket_cap_mb=bucket_cap_mb, find_unused=find_unused)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), case
+
+    def timed(model_opt_case: tuple, **kw: Any) -> float:
+        model, opt, case = model_opt_case
+        dist.barrier()
+        return step_seconds(lambda: train_step(model, opt, case, **kw), warmup, steps)
+
+    out: dict[str, Any] = {"per_rank_batch": b}
+    plain = fresh(ddp=False)
+    out["params"] = n_params(plain[0])
+    out["grad_bytes"] = 4 * out["params"]  # fp32 gradients are what DDP all-reduces
+    # one process: rank 0 alone, rank 1 waiting at the barrier meanwhile
+    t_one = step_seconds(lambda: train_step(*plain), warmup, steps) if ranks.main else float("nan")
+    dist.barrier()
+    t_alone = timed(plain)  # both ranks at once, no communication: the bare ceiling
+    ceiling = torch.tensor([b / t_alone])
+    dist.all_reduce(ceiling)
+    ddp = fresh()
+    t_sync = timed(ddp)
+    t_nosync = timed(ddp, sync=False)
+    clock = AllreduceClock()
+    hooked = fresh()
+    hooked[0].register_comm_hook(None, clock.hook)
+    for _ in range(warmup):
+        train_step(*hooked)
+    clock.intervals.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        train_step(*hooked)
+    busy_share = clock.busy_seconds() / (time.perf_counter() - t0)
+    out["step_ms"] = {"one_process": 1e3 * t_one, "alone_of_2": 1e3 * t_alone, "ddp_sync": 1e3 * t_sync,
+                      "ddp_no_sync": 1e3 * t_nosync}
+    out["samples_per_s"] = {"1": b / t_one if ranks.main else None, "2": world * b / t_sync,
+                            "2_ceiling": float(ceiling)}
+    out["allreduce_share"] = {"exposed": max(0.0, 1 - t_nosync / t_sync), "busy": busy_share}
+    out["bucket_cap_mb"] = {str(mb): world * b / timed(fresh(bucket_cap_mb=float(mb))) for mb in (1, 25, 100)}
+    out["grad_accum"] = {"1": world * b / t_sync,
+                         "4": 4 * world * b / timed(fresh(), accum=4)}
+    out["overlap"] = {"ddp_bucketed_during_backward": world * b / t_sync,
+                      "one_allreduce_after_backward": world * b / timed(fresh(), allreduce_after=True)}
+    return out
+
+
+def allreduce_times(sizes: list[int], reps: int) -> list[float]:
+    """Median seconds of a synchronous Gloo all-reduce of ``size`` bytes of float32."""
+    times = []
+    for size in sizes:
+        x = torch.zeros(size // 4)
+        for _ in range(2):
+            dist.all_reduce(x)
+        samples = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            samples.append(time.perf_counter() - t0)
+        times.append(statistics.median(samples))
+    return times
+
+
+def fit_alpha_beta(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(alpha s, beta bytes/s) of t = alpha + bytes / beta, fitted in relative error (weights 1/t)."""
+    x, y = np.asarray(sizes, float), np.asarray(seconds, float)
+    slope, intercept = np.polyfit(x, y, 1, w=1 / y)
+    return max(float(intercept), 0.0), 1 / max(float(slope), 1e-30)
+
+
+def worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ranks = Ranks(rank, world)
+    result: dict[str, Any] = {"models": {}}
+    for name in opts["models"]:
+        result["models"][name] = measure_model(name, ranks, opts["warmup"], opts["steps"])
+        if ranks.main:
+            print(f"  measured {name}", flush=True)
+    sizes = opts["sizes"]
+    seconds = allreduce_times(sizes, opts["reps"])
+    alpha, beta = fit_alpha_beta(sizes, seconds)
+    result["gloo_allreduce"] = {"world": world, "sizes_bytes": sizes, "seconds": seconds, "alpha_s": alpha,
+                                "beta_bytes_per_s": beta,
+                                "bus_bandwidth_bytes_per_s": beta * 2 * (world - 1) / world}
+    if ranks.main:
+        Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the scaling model ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Interconnect assumptions (H100/H200 class nodes of 8 GPUs)."""
+
+    gpus_per_node: int = 8
+    nvlink_bytes_per_s: float = 450e9  # NVLink 4: 900 GB/s per GPU counts both directions; a ring uses one
+    nvlink_alpha_s: float = 3e-6  # per ring step within a node
+    ib_bytes_per_s: float = 50e9  # InfiniBand NDR, 400 Gb/s per GPU
+    ib_alpha_s: float = 8e-6  # per ring step across nodes
+
+
+def ring_allreduce_seconds(n: int, nbytes: float, bytes_per_s: float, alpha_s: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1)/n * bytes / bw + 2(n-1) * alpha."""
+    return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * alpha_s
+
+
+def cluster_allreduce_seconds(n: int, nbytes: float, cluster: Cluster) -> float:
+    """One flat ring: NVLink within a node; across nodes every step waits for the InfiniBand link."""
+    if n <= cluster.gpus_per_node:
+        return ring_allreduce_seconds(n, nbytes, cluster.nvlink_bytes_per_s, cluster.nvlink_alpha_s)
+    return ring_allreduce_seconds(n, nbytes, cluster.ib_bytes_per_s, cluster.ib_alpha_s)
+
+
+def efficiency(t_compute: float, t_comm: float, overlap: bool) -> float:
+    """t_compute / t_step; with overlap the all-reduce hides behind the backward (2/3 of the compute)."""
+    t_step = t_compute / 3 + max(2 * t_compute / 3, t_comm) if overlap else t_compute + t_comm
+    return t_compute / t_step
+
+
+def scaling_model(measured: dict, gpu_step_s: dict[str, float], gpu_source: str, cluster: Cluster,
+                  sizes: tuple[int, ...] = (8, 64, 512)) -> dict[str, Any]:
+    gloo = measured["gloo_allreduce"]
+    models = {}
+    for name, m in measured["models"].items():
+        t_cpu = m["step_ms"]["one_process"] / 1e3
+        t_gloo = gloo["alpha_s"] + m["grad_bytes"] / gloo["beta_bytes_per_s"]  # the fit itself, at 2 processes
+        predictions = {}
+        for n in sizes:
+            t_ar = cluster_allreduce_seconds(n, m["grad_bytes"], cluster)
+            predictions[str(n)] = {"allreduce_ms": 1e3 * t_ar,
+                                   "efficiency_no_overlap": efficiency(gpu_step_s[name], t_ar, False),
+                                   "efficiency_overlap": efficiency(gpu_step_s[name], t_ar, True)}
+        models[name] = {
+            "grad_bytes": m["grad_bytes"], "gpu_step_ms": 1e3 * gpu_step_s[name], "gpu_step_source": gpu_source,
+            "predictions": predictions,
+            # the model on what was measured here: CPU step time and the fitted Gloo all-reduce
+            "cpu_gloo_check_2_processes": {
+                "predicted_efficiency_no_overlap": efficiency(t_cpu, t_gloo, False),
+                "predicted_efficiency_overlap": efficiency(t_cpu, t_gloo, True),
+                "measured_efficiency_vs_1_process": m["samples_per_s"]["2"] / (2 * m["samples_per_s"]["1"]),
+                "measured_efficiency_vs_ceiling": m["samples_per_s"]["2"] / m["samples_per_s"]["2_ceiling"]},
+        }
+    return {"assumptions": {**cluster.__dict__, "gradient_dtype": "float32", "per_gpu_batch": PER_RANK_BATCH,
+                            "topology": "one flat ring; across nodes bandwidth and latency are InfiniBand's "
+                                        "(NCCL's tree and NVLS algorithms would shorten the latency term)",
+                            "overlap": "all-reduce hidden behind the backward, taken as 2/3 of the compute",
+                            "gpu_step": gpu_source},
+            "models": models}
+
+
+def print_tables(ddp: dict, model: dict) -> None:
+    print(f"\n{'model':6} {'params':>9} {'1 proc/s':>9} {'2 DDP/s':>9} {'ceiling/s':>9} {'exposed':>8} "
+          f"{'busy':>6}  bucket 1/25/100 MB /s    accum 4 /s  no-overlap /s")
+    for name, m in ddp["models"].items():
+        s, share = m["samples_per_s"], m["allreduce_share"]
+        buckets = "/".join(f"{v:.0f}" for v in m["bucket_cap_mb"].values())
+        print(f"{name:6} {m['params']:>9} {s['1']:>9.0f} {s['2']:>9.0f} {s['2_ceiling']:>9.0f} "
+              f"{share['exposed']:>8.1%} {share['busy']:>6.1%}  {buckets:22} {m['grad_accum']['4']:>11.0f} "
+              f"{m['overlap']['one_allreduce_after_backward']:>14.0f}")
+    g = ddp["gloo_allreduce"]
+    print(f"\nGloo all-reduce, 2 processes: alpha {g['alpha_s'] * 1e6:.0f} us, "
+          f"beta {g['beta_bytes_per_s'] / 1e9:.2f} GB/s (bus {g['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s)")
+    print(f"\nscaling model ({model['assumptions']['gpu_step']}):")
+    header = " ".join(f"{n + ' GPUs: all-reduce ms, eff.':>34}" for n in ("8", "64", "512"))
+    print(f"{'model':6} {'GPU step ms':>11} {header}\n{'':19}" + " (no overlap / overlap)".rjust(34) * 3)
+    for name, m in model["models"].items():
+        cells = " ".join(f"{p['allreduce_ms']:.3f} ms, {p['efficiency_no_overlap']:.1%} / {p['efficiency_overlap']:.1%}"
+                         .rjust(34) for p in m["predictions"].values())
+        print(f"{name:6} {m['gpu_step_ms']:>11.2f} {cells}")
+    print("\nthe model on the 2 measured CPU processes (predicted no overlap / overlap vs measured):")
+    for name, m in model["models"].items():
+        c = m["cpu_gloo_check_2_processes"]
+        print(f"  {name:6} {c['predicted_efficiency_no_overlap']:.1%} / {c['predicted_efficiency_overlap']:.1%} vs "
+              f"{c['measured_efficiency_vs_1_process']:.1%} of 2 x 1 process, "
+              f"{c['measured_efficiency_vs_ceiling']:.1%} of the ceiling")
+
+
+def plot(ddp: dict, model: dict, cluster: Cluster, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    g = ddp["gloo_allreduce"]
+    sizes = np.asarray(g["sizes_bytes"], float)
+    ax1.loglog(sizes, np.asarray(g["seconds"]) * 1e3, "o", label="measured")
+    fine = np.geomspace(sizes.min(), sizes.max(), 100)
+    ax1.loglog(fine, (g["alpha_s"] + fine / g["beta_bytes_per_s"]) * 1e3, "-",
+               label=f"alpha {g['alpha_s'] * 1e6:.0f} us + bytes / {g['beta_bytes_per_s'] / 1e9:.2f} GB/s")
+    ax1.set(xlabel="message (bytes)", ylabel="all-reduce (ms)", title="Gloo all-reduce, 2 CPU processes")
+    ax1.legend(fontsize=8)
+    ns = np.array([2 ** k for k in range(1, 10)])
+    for i, (name, m) in enumerate(model["models"].items()):
+        t_c = m["gpu_step_ms"] / 1e3
+        for overlap, style in ((True, "-"), (False, "--")):
+            eff = [efficiency(t_c, cluster_allreduce_seconds(int(n), m["grad_bytes"], cluster), overlap) for n in ns]
+            ax2.semilogx(ns, eff, style, color=f"C{i}", label=f"{name} ({'overlap' if overlap else 'no overlap'})")
+    ax2.axvline(cluster.gpus_per_node, color="grey", lw=0.8)
+    assumed = " (GPU step times assumed)" if "ASSUMED" in model["assumptions"]["gpu_step"] else ""
+    ax2.set(xlabel="GPUs", ylabel="scaling efficiency", ylim=(0, 1.05), title="ring all-reduce model" + assumed)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_gpu_steps(text: str | None) -> dict[str, float]:
+    """``gw=1.5,chem=4`` (ms) -> seconds by model."""
+    if not text:
+        return {}
+    pairs = (item.split("=") for item in text.split(","))
+    return {k.strip(): float(v) / 1e3 for k, v in pairs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run (seconds of timing); results under runs/")
+    ap.add_argument("--out", type=Path,
+                    help="results folder (default benchmarks/results; with --quick runs/scale_ddp_quick)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of gw, chem, mlp")
+    ap.add_argument("--gpu-step-ms", help="measured GPU step times at the same per-GPU batch, e.g. gw=1.2,chem=5")
+    ap.add_argument("--cpu-to-gpu", type=float, default=50.0,
+                    help="otherwise: GPU step time = CPU step time / this factor (an assumption) ...")
+    ap.add_argument("--gpu-floor-ms", type=float, default=1.0,
+                    help="... but no less than this (kernel launches bound a small model's step on a GPU)")
+    args = ap.parse_args()
+    out_dir = args.out or (Path("runs/scale_ddp_quick") if args.quick else RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    opts = {"models": [m.strip() for m in args.models.split(",")],
+            "warmup": 1 if args.quick else 3, "steps": 3 if args.quick else 20, "reps": 3 if args.quick else 20,
+            "sizes": [2 ** k for k in ((10, 16, 20, 22) if args.quick else range(10, 27, 2))]}
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "measured.json"
+        print(f"measuring {', '.join(opts['models'])} in 2 Gloo processes ...", flush=True)
+        mp.spawn(worker, args=(2, free_port(), opts, str(raw)), nprocs=2, join=True)
+        ddp = json.loads(raw.read_text())
+    ddp["host"] = {"cpus": os.cpu_count(), "threads_per_process": 1, "torch": torch.__version__,
+                   "load_average_1min": os.getloadavg()[0]}
+    given = parse_gpu_steps(args.gpu_step_ms)
+    gpu_step = {name: given.get(name, max(m["step_ms"]["one_process"] / 1e3 / args.cpu_to_gpu,
+                                          args.gpu_floor_ms / 1e3)) for name, m in ddp["models"].items()}
+    source = ("measured on a GPU (--gpu-step-ms) where given; " if given else "") + (
+        f"ASSUMED for the others: CPU step time / {args.cpu_to_gpu:g}, at least {args.gpu_floor_ms:g} ms "
+        "(a few dozen kernel launches; no GPU was measured)")
+    cluster = Cluster()
+    model = scaling_model(ddp, gpu_step, source, cluster)
+    print_tables(ddp, model)
+    plot(ddp, model, cluster, out_dir / "scale_ddp.png")
+    path = out_dir / "scale.json"
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    merged.update({"ddp": ddp, "scaling_model": model})
+    atomic_write_bytes(path, (json.dumps(merged, indent=2) + "\n").encode())
+    print(f"\nwritten {path} (keys ddp, scaling_model) and {out_dir / 'scale_ddp.png'}")
+
+
+if __name__ == "__main__":
+    main()
