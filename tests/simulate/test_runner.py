@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ class OscillatorConfig:
     kill_marker: str = ""  # if set, the first simulate() call creates it and SIGKILLs its own process
     kill_above: float = 0.0  # frequencies above this SIGKILL their process, every time (0: never)
     flaky_dir: str = ""  # if set, each sample's first attempt raises (a marker file per sample remembers)
+    sleep_s: float = 0.0  # seconds each sample sleeps first, to stretch a run
 
 
 class OscillatorApp(App):
@@ -51,6 +53,7 @@ class OscillatorApp(App):
         return {"frequency": rng.uniform(0.5, 2.0), "damping": rng.uniform(0.0, 0.5)}  # rad/s, 1
 
     def simulate(self, cfg: OscillatorConfig, params: dict[str, float]) -> dict[str, np.ndarray]:
+        time.sleep(cfg.sleep_s)
         if cfg.kill_marker:
             try:
                 os.close(os.open(cfg.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -1,44 +1,33 @@
-"""The runner's local process pool: workers, their failures, and retries.
+"""The local executor: a process pool on this machine, its workers' failures, and retries.
 
 Each sample is one task on a :class:`~concurrent.futures.ProcessPoolExecutor`
 whose workers run one thread each (the pool already uses every core). A task
-ends in a :class:`SampleOutcome`; a worker that dies breaks the whole pool, which
-:func:`task_outcome` reports as :data:`WORKER_DIED` for every task it was running.
-:class:`RetryQueue` decides which sample runs next and whether a failed one runs
-again, charging a retry only to a sample known to have failed.
+ends in a :class:`~.sample.SampleOutcome`; a worker that dies breaks the whole
+pool, which :func:`task_outcome` reports as :data:`WORKER_DIED` for every task it
+was running. :class:`RetryQueue` decides which sample runs next and whether a
+failed one runs again, charging a retry only to a sample known to have failed;
+:func:`run_on_local_pool` drives it all.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator
 
-import numpy as np
+from .sample import SampleJob, SampleOutcome, describe, simulate_sample
 
+TASKS_PER_WORKER = 2  # in flight per worker: keeps workers busy, bounds memory and what a crash costs
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 DEATHS_BEFORE_GIVING_UP = 3  # samples in a row whose worker died: the workers cannot run at all
+# The failure record of a sample whose worker died each time it ran, whatever the executor
 WORKER_DIED = (
-    "BrokenProcessPool: a worker process died while running this sample "
+    "WorkerDied: a worker process died while running this sample "
     "(killed, out of memory, or a crash in native code)"
 )
-
-
-class SampleOutcome(NamedTuple):
-    """What one task gives back: arrays, or an error and whether to try again."""
-
-    index: int
-    params: dict[str, float] | None
-    arrays: dict[str, np.ndarray] | None
-    error: str | None = None
-    retry: bool = False
-
-
-def describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
 
 
 # -- scheduling -------------------------------------------------------------------------
@@ -118,8 +107,8 @@ def task_outcome(task: Future, index: int) -> SampleOutcome:
 
 
 # -- the pool ---------------------------------------------------------------------------
-def _init_worker() -> None:
-    """One thread per worker: the pool already uses every core."""
+def init_worker() -> None:
+    """One thread per worker: the workers already use every core."""
     for variable in THREAD_VARIABLES:
         os.environ[variable] = "1"
     try:
@@ -142,7 +131,53 @@ def make_pool(workers: int, preload: Iterable[str]) -> ProcessPoolExecutor:
         context.set_forkserver_preload(sorted(set(preload)))
     else:
         context = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker)
+    return ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=init_worker)
+
+
+def run_on_local_pool(
+    job: SampleJob, indices: Iterator[int], record: Callable[[SampleOutcome], None], *, workers: int
+) -> None:
+    """Run the samples ``indices`` of ``job`` on ``workers`` processes, passing each final outcome to ``record``.
+
+    A worker that dies breaks the pool: it is made afresh and the samples it was
+    running run again (:class:`RetryQueue` finds and charges the culprit).
+    """
+    queue = RetryQueue(indices, job.retries)
+    in_flight: dict[Future, int] = {}
+    unsent: list[int] = []  # taken from the queue when the pool was found broken
+    # torch (through apps.base) is the slow import of nearly every app; no effect once the server runs
+    preload = (simulate_sample.__module__, "converge.apps.base", job.app_cls.__module__)
+    with one_thread_per_worker():
+        pool = make_pool(workers, preload)
+        try:
+            while True:
+                limit = 1 if queue.exclusive else TASKS_PER_WORKER * workers
+                while len(in_flight) < limit and (index := unsent.pop() if unsent else queue.next()) is not None:
+                    try:
+                        in_flight[pool.submit(simulate_sample, *job.task_args(index))] = index
+                    except BrokenProcessPool:  # a worker died since the last wait: its tasks tell below
+                        unsent.append(index)
+                        break
+                if not in_flight:
+                    if not unsent:
+                        return
+                    pool.shutdown(wait=True)  # it broke with nothing running: no sample to charge
+                    pool = make_pool(workers, preload)
+                    continue
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                culprit_known = True
+                if any(worker_died(task) for task in done):
+                    wait(in_flight)  # a dead worker fails every unfinished task of the pool
+                    done = set(in_flight)
+                    culprit_known = sum(worker_died(task) for task in done) == 1
+                    pool.shutdown(wait=True)
+                    pool = make_pool(workers, preload)
+                for task in sorted(done, key=in_flight.__getitem__):  # by index: a reproducible order
+                    outcome = task_outcome(task, in_flight.pop(task))
+                    if queue.settle(outcome, culprit_known):
+                        record(outcome)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextmanager

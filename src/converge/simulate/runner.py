@@ -1,8 +1,9 @@
 """The ensemble runner: an app's simulator over many parameter draws, into a shard store.
 
 Sample ``i`` draws its parameters from ``np.random.default_rng([seed, i])``, so
-the data depend on neither the number of workers nor the order in which shards
-are computed. Each sample is one task on a local process pool; a shard is
+the data depend on neither the number of workers, nor the executor, nor the
+order in which shards are computed. Each sample is one task on an executor (a
+local process pool, or Dask: see :mod:`converge.simulate.executors`); a shard is
 written (atomically, see :mod:`converge.data.store`) as soon as its samples are
 done, so an interrupted run loses at most the shards in progress and a rerun
 computes only the shards still missing.
@@ -10,14 +11,12 @@ computes only the shards still missing.
 A sample that raises is tried ``retries`` more times, then recorded as a failure
 (``"ExceptionType: message"`` with its parameters); its shard is written with the
 other samples. A worker that dies (killed, out of memory, a crash in native code)
-breaks the pool: the pool is made afresh and the samples it was running are run
-again (see :class:`~converge.simulate.pool.RetryQueue` for how the one that killed
-it is found and charged).
+costs only the samples it was running, which run again; one that was running each
+time its worker died is recorded as :data:`~converge.simulate.pool.WORKER_DIED`.
 """
 from __future__ import annotations
 
 import pickle
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
@@ -30,13 +29,15 @@ from rich.text import Text
 
 from ..config import ConfigError, to_dict
 from ..data.store import CorruptShardError, ShardStore, package_versions, schema_to_json
-from .pool import (
-    RetryQueue, SampleOutcome, count_deaths, describe, make_pool, one_thread_per_worker, task_outcome, worker_died,
-)
-# Defined in .pool; still importable from here, where they were first.
-from .pool import DEATHS_BEFORE_GIVING_UP, THREAD_VARIABLES, WORKER_DIED  # noqa: F401
+from .executors import CLUSTERS, EXECUTORS, ClusterConfig, check_cluster_settings, run_samples
+from .pool import count_deaths
+from .sample import SampleJob, SampleOutcome, parameters_or_none
+# Defined in .pool and .sample; still importable from here, where they were first.
+from .pool import DEATHS_BEFORE_GIVING_UP, THREAD_VARIABLES, WORKER_DIED, RetryQueue  # noqa: F401
+from .sample import SchemaMismatchError, check_arrays, draw_parameters, simulate_sample  # noqa: F401
 
-TASKS_PER_WORKER = 2  # in flight per worker: keeps workers busy, bounds memory and what a crash costs
+# How the samples are computed, not what they are: left out of the dataset's header
+EXECUTION_KEYS = ("workers", "executor", "scheduler_address", "cluster")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,12 @@ class SimulateConfig:
 
     ``samples`` parameter draws from ``seed``, stored in shards of ``shard_size``
     samples, computed by ``workers`` processes; a failing sample is tried
-    ``retries`` more times. ``workers`` does not change the data.
+    ``retries`` more times. ``executor`` runs the samples: ``"local"``, a process
+    pool; ``"dask"``, Dask tasks on the scheduler at ``scheduler_address`` if set,
+    else on a ``cluster`` it starts: ``"local"`` (``workers`` processes on this
+    machine), ``"slurm"`` or ``"pbs"`` (batch jobs set by the ``[cluster]`` table,
+    :class:`~converge.simulate.executors.ClusterConfig`). None of ``workers``,
+    ``executor``, ``scheduler_address``, ``cluster`` changes the data.
     """
 
     samples: int = 1000
@@ -53,6 +59,9 @@ class SimulateConfig:
     shard_size: int = 256
     workers: int = 2
     retries: int = 2
+    executor: str = "local"
+    scheduler_address: str = ""
+    cluster: str = "local"
 
     def __post_init__(self) -> None:
         rules = (
@@ -68,6 +77,31 @@ class SimulateConfig:
                 raise ConfigError(f"simulate.{key}={value!r}: must be an integer ({hint})")
             if value < least:
                 raise ConfigError(f"simulate.{key}={value}: must be >= {least} ({hint})")
+        self._check_executor()
+
+    def _check_executor(self) -> None:
+        for key, known in (("executor", EXECUTORS), ("cluster", CLUSTERS)):
+            value = getattr(self, key)
+            if value not in known:
+                raise ConfigError(f"simulate.{key}={value!r}: choose one of {', '.join(map(repr, known))}")
+        if not isinstance(self.scheduler_address, str) or any(c.isspace() for c in self.scheduler_address):
+            raise ConfigError(
+                f"simulate.scheduler_address={self.scheduler_address!r}: give the scheduler's address as text "
+                "without spaces, e.g. \"tcp://10.0.0.5:8786\""
+            )
+        if self.executor == "local":
+            for key, default in (("scheduler_address", ""), ("cluster", "local")):
+                if getattr(self, key) != default:
+                    raise ConfigError(
+                        f"simulate.{key}={getattr(self, key)!r} needs simulate.executor=\"dask\" "
+                        f"(it is {self.executor!r}); set executor = \"dask\" or remove {key}"
+                    )
+        if self.scheduler_address and self.cluster != "local":
+            raise ConfigError(
+                f"simulate.scheduler_address={self.scheduler_address!r} and simulate.cluster={self.cluster!r} "
+                "both say where the workers are; keep the address to use a running scheduler, "
+                "or remove it to start the cluster"
+            )
 
 
 class EnsembleResult(NamedTuple):
@@ -96,59 +130,7 @@ class ShardContent(NamedTuple):
     failures: list[dict[str, Any]]
 
 
-class SchemaMismatchError(ValueError):
-    """``App.simulate`` returned arrays that do not match ``App.schema``."""
-
-
-# -- one sample (runs in a worker) ------------------------------------------------------
-def draw_parameters(app: Any, app_cfg: Any, seed: int, index: int) -> dict[str, float]:
-    """Parameters of sample ``index``: ``app.sample_parameters`` on ``default_rng([seed, index])``."""
-    raw = app.sample_parameters(app_cfg, np.random.default_rng([seed, index]))
-    return {str(name): float(value) for name, value in raw.items()}
-
-
-def check_arrays(arrays: Any, schema: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
-    """``arrays`` as numpy arrays if they match ``schema`` (JSON form) exactly, else raise."""
-    if not isinstance(arrays, Mapping):
-        raise SchemaMismatchError(f"simulate() returned {type(arrays).__name__}; return a dict of arrays by name")
-    if set(arrays) != set(schema):
-        raise SchemaMismatchError(f"simulate() returned arrays {sorted(arrays)}, the schema names {sorted(schema)}")
-    out = {}
-    for name, spec in schema.items():
-        value = np.asarray(arrays[name])
-        shape, dtype = tuple(spec["shape"]), np.dtype(spec["dtype"])
-        if value.shape != shape:
-            raise SchemaMismatchError(f"array {name!r} has shape {value.shape}, the schema says {shape}")
-        if value.dtype != dtype:
-            raise SchemaMismatchError(
-                f"array {name!r} has dtype {value.dtype}, the schema says {dtype}; "
-                f"cast it in simulate() with .astype({dtype.name!r})"
-            )
-        out[name] = value
-    return out
-
-
-_WORKER_APPS: dict[type, Any] = {}  # one app instance per class and worker process
-
-
-def simulate_sample(
-    app_cls: type, app_cfg: Any, schema: Mapping[str, Mapping[str, Any]], seed: int, index: int
-) -> SampleOutcome:
-    """Draw the parameters of sample ``index``, simulate it, check its arrays."""
-    params = None
-    try:
-        app = _WORKER_APPS.get(app_cls)
-        if app is None:
-            app = _WORKER_APPS[app_cls] = app_cls()
-        params = draw_parameters(app, app_cfg, seed, index)
-        arrays = check_arrays(app.simulate(app_cfg, params), schema)
-    except SchemaMismatchError as err:  # the same every time: not worth a retry
-        return SampleOutcome(index, params, None, describe(err), retry=False)
-    except Exception as err:
-        return SampleOutcome(index, params, None, describe(err), retry=True)
-    return SampleOutcome(index, params, arrays)
-
-
+# -- shards ------------------------------------------------------------------------------
 def assemble_shard(outcomes: Mapping[int, SampleOutcome], schema: Mapping[str, Mapping[str, Any]]) -> ShardContent:
     """Stack the successful samples in index order and list the failed ones.
 
@@ -171,11 +153,11 @@ def assemble_shard(outcomes: Mapping[int, SampleOutcome], schema: Mapping[str, M
 
 # -- the run ----------------------------------------------------------------------------
 def dataset_header(app: Any, app_cfg: Any, sim_cfg: SimulateConfig, schema: Mapping[str, Any]) -> dict[str, Any]:
-    """What the store records about how its data were made (not ``workers``: it changes nothing)."""
+    """What the store records about how its data were made (not :data:`EXECUTION_KEYS`: they change nothing)."""
     return {
         "app": app.name,
         "app_config": to_dict(app_cfg),
-        "simulate": {k: v for k, v in to_dict(sim_cfg).items() if k != "workers"},
+        "simulate": {k: v for k, v in to_dict(sim_cfg).items() if k not in EXECUTION_KEYS},
         "seed": sim_cfg.seed,
         "n_samples": sim_cfg.samples,
         "shard_size": sim_cfg.shard_size,
@@ -212,6 +194,7 @@ def run_ensemble(
     progress: bool = True,
     repair: bool = False,
     max_shards: int | None = None,
+    cluster_cfg: ClusterConfig | None = None,
 ) -> EnsembleResult:
     """Simulate ``sim_cfg.samples`` samples of ``app`` into the shard store ``out_dir``.
 
@@ -219,12 +202,16 @@ def run_ensemble(
     job; ``repair=True`` also recreates written shards whose file is missing or
     corrupt (without it they raise :class:`CorruptShardError`). ``max_shards``
     computes at most that many shards, then returns (as an interruption would).
+    ``cluster_cfg`` sets the batch jobs of ``sim_cfg.cluster = "slurm"|"pbs"``.
     Workers re-create the app as ``type(app)()``, so its class must be importable.
     """
     if not isinstance(sim_cfg, SimulateConfig):
         raise TypeError(f"sim_cfg must be a SimulateConfig, got {type(sim_cfg).__name__}")
     if max_shards is not None and max_shards < 0:
         raise ValueError(f"max_shards={max_shards}: must be >= 0 (or None for all)")
+    cluster_cfg = cluster_cfg or ClusterConfig()
+    if sim_cfg.executor == "dask" and not sim_cfg.scheduler_address:
+        check_cluster_settings(sim_cfg.cluster, cluster_cfg)
     _check_importable(type(app))
     schema = app.schema(app_cfg)
     store = ShardStore.create_or_open(out_dir, dataset_header(app, app_cfg, sim_cfg, schema))
@@ -233,7 +220,13 @@ def run_ensemble(
     if todo:
         with _progress_bar(progress) as bar:
             task = bar.add_task("simulating", total=sum(len(store.shard_range(k)) for k in todo))
-            _compute_shards(app, app_cfg, sim_cfg, store, todo, lambda: bar.advance(task))
+            writer = ShardWriter(app, app_cfg, sim_cfg.seed, store, lambda: bar.advance(task))
+            job = SampleJob(type(app), app_cfg, store.schema, sim_cfg.seed, sim_cfg.retries)
+            run_samples(
+                job, (i for k in todo for i in store.shard_range(k)), writer.record, executor=sim_cfg.executor,
+                workers=sim_cfg.workers, cluster=sim_cfg.cluster, scheduler_address=sim_cfg.scheduler_address,
+                cluster_cfg=cluster_cfg,
+            )
     failures = store.failures()
     return EnsembleResult(
         n_ok=len(store), n_failed=len(failures), failures=failures, shards_computed=len(todo),
@@ -242,58 +235,30 @@ def run_ensemble(
     )
 
 
-def _compute_shards(
-    app: Any, app_cfg: Any, sim_cfg: SimulateConfig, store: ShardStore, shard_ids: list[int],
-    advance: Callable[[], None],
-) -> None:
-    """Run the samples of ``shard_ids`` on a pool, writing each shard when it is done."""
-    queue = RetryQueue((i for k in shard_ids for i in store.shard_range(k)), sim_cfg.retries)
-    by_shard: dict[int, dict[int, SampleOutcome]] = {}
-    in_flight: dict[Future, int] = {}
-    deaths: list[int] = []
-    # torch (through apps.base) is the slow import of nearly every app; no effect once the server runs
-    preload = (__name__, "converge.apps.base", type(app).__module__)
-    with one_thread_per_worker():
-        pool = make_pool(sim_cfg.workers, preload)
-        try:
-            while True:
-                limit = 1 if queue.exclusive else TASKS_PER_WORKER * sim_cfg.workers
-                while len(in_flight) < limit and (index := queue.next()) is not None:
-                    task = pool.submit(simulate_sample, type(app), app_cfg, store.schema, sim_cfg.seed, index)
-                    in_flight[task] = index
-                if not in_flight:
-                    return
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                culprit_known = True
-                if any(worker_died(task) for task in done):
-                    wait(in_flight)  # a dead worker fails every unfinished task of the pool
-                    done = set(in_flight)
-                    culprit_known = sum(worker_died(task) for task in done) == 1
-                    pool.shutdown(wait=True)
-                    pool = make_pool(sim_cfg.workers, preload)
-                for task in sorted(done, key=in_flight.__getitem__):  # by index: a reproducible order
-                    outcome = task_outcome(task, in_flight.pop(task))
-                    if not queue.settle(outcome, culprit_known):
-                        continue
-                    deaths = count_deaths(deaths, outcome)
-                    if outcome.error is not None and outcome.params is None:
-                        params = _parameters_or_none(app, app_cfg, sim_cfg.seed, outcome.index)
-                        outcome = outcome._replace(params=params)
-                    shard_id = outcome.index // store.shard_size
-                    by_shard.setdefault(shard_id, {})[outcome.index] = outcome
-                    advance()
-                    if len(by_shard[shard_id]) == len(store.shard_range(shard_id)):
-                        store.write_shard(shard_id, *assemble_shard(by_shard.pop(shard_id), store.schema))
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+class ShardWriter:
+    """Collects final outcomes by shard and writes each shard the moment its last sample is in.
 
+    Executors hand outcomes to :meth:`record` in any order; a failure whose
+    parameters are unknown (its worker died) gets them drawn again here.
+    """
 
-def _parameters_or_none(app: Any, app_cfg: Any, seed: int, index: int) -> dict[str, float] | None:
-    """Parameters for the failure record of a sample whose worker died."""
-    try:
-        return draw_parameters(app, app_cfg, seed, index)
-    except Exception:
-        return None
+    def __init__(self, app: Any, app_cfg: Any, seed: int, store: ShardStore, advance: Callable[[], None]) -> None:
+        self.app, self.app_cfg, self.seed = app, app_cfg, seed
+        self.store = store
+        self.advance = advance
+        self.by_shard: dict[int, dict[int, SampleOutcome]] = {}
+        self.deaths: list[int] = []
+
+    def record(self, outcome: SampleOutcome) -> None:
+        self.deaths = count_deaths(self.deaths, outcome)
+        if outcome.error is not None and outcome.params is None:
+            outcome = outcome._replace(params=parameters_or_none(self.app, self.app_cfg, self.seed, outcome.index))
+        shard_id = outcome.index // self.store.shard_size
+        outcomes = self.by_shard.setdefault(shard_id, {})
+        outcomes[outcome.index] = outcome
+        self.advance()
+        if len(outcomes) == len(self.store.shard_range(shard_id)):
+            self.store.write_shard(shard_id, *assemble_shard(self.by_shard.pop(shard_id), self.store.schema))
 
 
 def _check_importable(app_cls: type) -> None:
