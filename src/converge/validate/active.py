@@ -1,0 +1,351 @@
+"""Active learning: spend simulator calls where the ensemble disagrees (query by committee).
+
+Seung, Opper and Sompolinsky, "Query by committee", COLT 1992; for network
+potentials, Smith et al., "Less is more: sampling chemical space with active
+learning", J. Chem. Phys. 148, 241733 (2018). Round 0 labels ``initial``
+candidates drawn from the app's prior and trains an ensemble. Each of the
+``rounds`` rounds then draws a pool of ``pool_size`` cheap candidates (no
+simulator call), scores them by the previous ensemble's disagreement, labels
+the ``budget / rounds`` best (``strategy="qbc"``) or as many random ones from the
+same pool (``"random"``: the baseline), and trains a fresh ensemble on all data.
+Both strategies see the same initial set, pools and test set for a given ``seed``.
+
+What is a candidate, how it is labelled and scored is the app's part, a
+:class:`LearningProblem` (chem: :class:`~converge.validate.chem_learning.ChemLearning`).
+
+Layout of ``OUT`` (every file atomic; a rerun continues after the last finished
+round, and inside a round reuses its selection, labelled shards and members)::
+
+    OUT/learning.json               settings; a rerun with others is refused
+    OUT/test/                       held-out set (shard store), unless test_dir is given
+    OUT/round-{r}/selection.json    pool parameters, disagreement, chosen indices (r >= 1)
+    OUT/round-{r}/data/             the samples labelled in round r (shard store)
+    OUT/round-{r}/ensemble/         members, ensemble.json, calibration.json/png, the app's extras
+    OUT/round-{r}/metrics.json      written last: the round is finished
+    OUT/learning_curve.json/png     test error against simulator calls, one entry per round
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+from ..apps.base import App
+from ..config import ConfigError, to_dict
+from ..data.atomic import atomic_write_bytes, json_bytes, json_round_trip
+from ..data.sources import stream_seed
+from ..data.store import ShardStore, package_versions, schema_to_json
+from ..simulate.runner import assemble_shard
+from ..simulate.sample import SampleOutcome, check_arrays, describe
+from ..train.loop import TrainConfig
+from .calibration import calibrate, write_calibration
+from .ensemble import EnsembleModel, EnsemblePrediction, load_ensemble, train_ensemble
+
+STRATEGIES = ("qbc", "random")
+STREAM_INITIAL, STREAM_POOL, STREAM_RANDOM, STREAM_TEST = 1, 2, 3, 4  # independent seed streams
+LABEL_SHARD_SIZE = 8  # labelled samples per shard: an interrupted round loses at most these
+PROBLEMS = {"chem": "converge.validate.chem_learning:ChemLearning"}  # app name -> default LearningProblem
+
+
+class HeldOut(NamedTuple):
+    """An ensemble on the labelled test set: metrics, and per-sample spread and error for calibration."""
+
+    metrics: dict[str, Any]
+    spread: np.ndarray  # (N,)
+    error: np.ndarray  # (N,) prediction - truth, units of spread
+    quantity: str
+    units: str
+
+
+class LearningProblem(Protocol):
+    """The app's part of active learning (see :class:`~converge.validate.chem_learning.ChemLearning`)."""
+
+    app: App
+    app_cfg: Any  # the config models train with and stores record
+    target_error: float  # calibration target, units of HeldOut.error
+    curve_metrics: tuple[str, ...]  # HeldOut.metrics keys plotted against simulator calls
+
+    def draw(self, seed: int, n: int) -> list[dict[str, float]]:
+        """``n`` candidates' parameters from the prior, deterministic in ``seed``; no simulator call."""
+
+    def inputs(self, params: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
+        """Model inputs (``serve_predict`` names, batch axis first) of candidates, without the simulator."""
+
+    def label(self, params: Mapping[str, float]) -> dict[str, np.ndarray]:
+        """One simulator call: the app's schema arrays for one candidate."""
+
+    def disagreement(self, prediction: EnsemblePrediction, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """(N,) the ensemble's disagreement per candidate; larger = more worth labelling."""
+
+    def held_out(self, ensemble: EnsembleModel, arrays: Mapping[str, np.ndarray],
+                 params: Mapping[str, np.ndarray]) -> HeldOut:
+        """Errors and spreads of the ensemble on labelled held-out ``arrays``."""
+
+    def after_training(self, ensemble_dir: Path, arrays: Mapping[str, np.ndarray]) -> None:
+        """Store the app's extras with a trained ensemble (chem: the OOD envelope)."""
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    """Settings of ``converge learn``: simulator calls are ``initial + budget`` (plus ``n_test`` once)."""
+
+    initial: int = 16
+    budget: int = 64
+    rounds: int = 4
+    pool_size: int = 512
+    strategy: str = "qbc"
+    seed: int = 0
+    members: int = 4
+    n_test: int = 40
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"learn.strategy={self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        for key, least in (("initial", 2), ("rounds", 1), ("members", 2), ("n_test", 1), ("seed", 0)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"learn.{key}={getattr(self, key)}: must be >= {least}")
+        if self.budget < self.rounds:
+            raise ConfigError(f"learn.budget={self.budget} < learn.rounds={self.rounds}: every round labels at "
+                              "least one candidate; raise the budget or lower the rounds")
+        if self.pool_size < max(self.round_sizes()):
+            raise ConfigError(f"learn.pool_size={self.pool_size}: smaller than the {max(self.round_sizes())} "
+                              "candidates a round labels; use a pool several times larger")
+
+    def round_sizes(self) -> list[int]:
+        """Candidates labelled in rounds 1..R: ``budget`` split evenly, the remainder to the first rounds."""
+        base, extra = divmod(self.budget, self.rounds)
+        return [base + (1 if r < extra else 0) for r in range(self.rounds)]
+
+
+def select_candidates(scores: np.ndarray, n: int, strategy: str, rng: np.random.Generator) -> np.ndarray:
+    """Indices of the ``n`` candidates to label: the highest ``scores`` first (``"qbc"``; NaN or inf,
+    a model that broke down, counts as highest; ties keep pool order), or ``n`` uniformly at random."""
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if not 0 < n <= scores.size:
+        raise ValueError(f"cannot select {n} of {scores.size} candidates")
+    if strategy == "qbc":
+        key = np.where(np.isfinite(scores), scores, np.inf)
+        return np.argsort(-key, kind="stable")[:n]
+    if strategy == "random":
+        return np.sort(rng.choice(scores.size, size=n, replace=False))
+    raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+
+
+def default_problem(app: App, app_cfg: Any) -> LearningProblem:
+    """The app's registered :class:`LearningProblem` (see :data:`PROBLEMS`)."""
+    if app.name not in PROBLEMS:
+        raise NotImplementedError(f"no active-learning problem for app {app.name!r}; pass problem=... "
+                                  f"(apps with one: {', '.join(PROBLEMS)})")
+    module, name = PROBLEMS[app.name].split(":")
+    return getattr(importlib.import_module(module), name)(app, app_cfg)
+
+
+# -- labelling ----------------------------------------------------------------------
+def label_into_store(problem: LearningProblem, params: Sequence[Mapping[str, float]], root: Path, seed: int,
+                     note: Mapping[str, Any]) -> ShardStore:
+    """Simulate each candidate into the shard store ``root``; a failing call is recorded, not retried.
+
+    Complete shards are kept, so an interrupted labelling redoes only its last shard.
+    """
+    app, cfg = problem.app, problem.app_cfg
+    schema = schema_to_json(app.schema(cfg))
+    header = {"app": app.name, "app_config": to_dict(cfg), "seed": int(seed), "n_samples": len(params),
+              "shard_size": LABEL_SHARD_SIZE, "schema": schema, "simulate": json_round_trip(dict(note)),
+              "versions": package_versions(getattr(app, "packages", ()))}
+    store = ShardStore.create_or_open(root, header)
+    for shard_id in range(store.n_shards):
+        if store.is_complete(shard_id):
+            continue
+        outcomes = {}
+        for i in store.shard_range(shard_id):
+            p = {k: float(v) for k, v in params[i].items()}
+            try:
+                outcomes[i] = SampleOutcome(i, p, check_arrays(problem.label(p), schema))
+            except Exception as err:  # a failed simulation is data: recorded with its parameters
+                outcomes[i] = SampleOutcome(i, p, None, describe(err))
+        store.write_shard(shard_id, *assemble_shard(outcomes, schema))
+    return store
+
+
+def _load_rounds(out_dir: Path, last: int, schema: Sequence[str]) -> tuple[dict[str, np.ndarray], int]:
+    """All data labelled in rounds 0..last, and the simulator calls they took (failures included)."""
+    stores = [ShardStore.open(round_dir(out_dir, r) / "data") for r in range(last + 1)]
+    parts = [s.load(list(schema)) for s in stores]
+    arrays = {k: np.concatenate([p[k] for p in parts]) for k in schema}
+    return arrays, sum(s.n_samples for s in stores)
+
+
+def round_dir(out_dir: Path, r: int) -> Path:
+    return Path(out_dir) / f"round-{r}"
+
+
+# -- the loop -----------------------------------------------------------------------
+def run_active_learning(
+    app: App,
+    app_cfg: Any,
+    out_dir: str | Path,
+    initial: int = 16,
+    budget: int = 64,
+    rounds: int = 4,
+    pool_size: int = 512,
+    strategy: str = "qbc",
+    seed: int = 0,
+    members: int = 4,
+    n_test: int = 40,
+    train_cfg: TrainConfig | None = None,
+    problem: LearningProblem | None = None,
+    test_dir: str | Path | None = None,
+    progress: bool = False,
+    stop_after: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or continue) active learning into ``out_dir``; returns the metrics of every finished round.
+
+    ``test_dir`` shares one held-out store between runs (e.g. the two strategies).
+    ``stop_after`` returns after finishing that many rounds in this call, as a kill would.
+    """
+    learn = LearningConfig(initial, budget, rounds, pool_size, strategy, seed, members, n_test)
+    train_cfg = train_cfg or TrainConfig()
+    problem = problem or default_problem(app, app_cfg)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_settings(out_dir, app, problem, learn, train_cfg)
+    test_root = Path(test_dir) if test_dir else out_dir / "test"
+    test_params = problem.draw(stream_seed(seed, STREAM_TEST), n_test)
+    test_store = label_into_store(problem, test_params, test_root, stream_seed(seed, STREAM_TEST),
+                                  {"purpose": "active-learning test set"})
+    test = (test_store.load(list(problem.app.schema(problem.app_cfg))), test_store.params())
+    history, finished_now = [], 0
+    for r in range(rounds + 1):
+        path = round_dir(out_dir, r) / "metrics.json"
+        if not path.is_file():
+            if stop_after is not None and finished_now >= stop_after:
+                break
+            _run_round(problem, learn, train_cfg, out_dir, r, test, progress)
+            finished_now += 1
+        history.append(json.loads(path.read_text()))
+        write_learning_curve(out_dir, history, problem.curve_metrics, learn.strategy)
+    return history
+
+
+def _write_settings(out_dir: Path, app: App, problem: LearningProblem, learn: LearningConfig,
+                    train_cfg: TrainConfig) -> None:
+    settings = json_round_trip({"app": app.name, "app_config": to_dict(problem.app_cfg), "learn": to_dict(learn),
+                                "train": to_dict(train_cfg), "problem": getattr(problem, "settings", {})})
+    path = out_dir / "learning.json"
+    if path.is_file():
+        found = json.loads(path.read_text())
+        differ = [k for k in settings if found.get(k) != settings[k]]
+        if differ:
+            raise ConfigError(f"{out_dir} holds active learning with other {', '.join(differ)} settings; "
+                              "use another output directory, or delete it to start over")
+    else:
+        atomic_write_bytes(path, json_bytes(settings))
+
+
+def _run_round(problem: LearningProblem, learn: LearningConfig, train_cfg: TrainConfig, out_dir: Path, r: int,
+               test: tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], progress: bool) -> None:
+    here = round_dir(out_dir, r)
+    here.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if r == 0:
+        chosen, scoring = problem.draw(stream_seed(learn.seed, STREAM_INITIAL), learn.initial), {}
+    else:
+        chosen, scoring = _select(problem, learn, out_dir, r)
+    t_select = time.perf_counter()
+    store = label_into_store(problem, chosen, here / "data", stream_seed(learn.seed, STREAM_POOL, r),
+                             {"purpose": "active learning", "round": r, "strategy": learn.strategy})
+    t_label = time.perf_counter()
+    schema = list(problem.app.schema(problem.app_cfg))
+    arrays, calls = _load_rounds(out_dir, r, schema)
+    ensemble_dir = here / "ensemble"
+    train_ensemble(problem.app, problem.app_cfg, train_cfg, arrays, ensemble_dir, learn.members, progress=progress,
+                   extra_config={"active_learning_round": r})
+    ensemble = load_ensemble(problem.app, ensemble_dir)
+    held = problem.held_out(ensemble, *test)
+    report = calibrate(held.spread, held.error, problem.target_error)
+    write_calibration(ensemble_dir, report, held.spread, held.error, held.quantity, held.units)
+    problem.after_training(ensemble_dir, arrays)
+    t_train = time.perf_counter()
+    metrics = {"round": r, "strategy": learn.strategy, "simulator_calls": calls, "n_train": len(arrays[schema[0]]),
+               "added": len(store), "failed": len(store.failures()), **held.metrics, **scoring,
+               "calibration": {k: report[k] for k in ("spearman", "coverage", "threshold", "rmse_over_rms_spread")},
+               "seconds": {"select": t_select - t0, "simulate": t_label - t_select,
+                           "train_and_test": t_train - t_label}}
+    atomic_write_bytes(here / "metrics.json", json_bytes(json_round_trip(metrics)))
+
+
+def _select(problem: LearningProblem, learn: LearningConfig, out_dir: Path, r: int) -> tuple[list, dict]:
+    """Round r's candidates: from ``selection.json`` if an earlier try chose them, else chosen now."""
+    path = round_dir(out_dir, r) / "selection.json"
+    if not path.is_file():
+        pool = problem.draw(stream_seed(learn.seed, STREAM_POOL, r), learn.pool_size)
+        inputs = problem.inputs(pool)
+        ensemble = load_ensemble(problem.app, round_dir(out_dir, r - 1) / "ensemble")
+        scores = np.asarray(problem.disagreement(ensemble.predict(inputs), inputs), dtype=np.float64)
+        rng = np.random.default_rng(stream_seed(learn.seed, STREAM_RANDOM, r))
+        picked = select_candidates(scores, learn.round_sizes()[r - 1], learn.strategy, rng)
+        atomic_write_bytes(path, json_bytes(json_round_trip({
+            "strategy": learn.strategy, "pool": pool, "disagreement": scores.tolist(), "selected": picked.tolist()})))
+    selection = json.loads(path.read_text())
+    scores, picked = np.asarray(selection["disagreement"]), selection["selected"]
+    scoring = {"pool_mean_disagreement": float(np.mean(scores)),
+               "selected_mean_disagreement": float(np.mean(scores[picked]))}
+    return [selection["pool"][i] for i in picked], scoring
+
+
+# -- learning curves ------------------------------------------------------------------
+def calls_to_reach(calls: Sequence[float], errors: Sequence[float], target: float) -> float | None:
+    """The fewest simulator calls at which ``errors`` first fall to ``target`` or below (None: never)."""
+    for c, e in zip(calls, errors):
+        if e <= target:
+            return float(c)
+    return None
+
+
+def write_learning_curve(out_dir: Path, history: Sequence[Mapping[str, Any]], metrics: Sequence[str],
+                         label: str) -> None:
+    """``learning_curve.json`` (the rounds' metrics) and ``learning_curve.png`` of one run."""
+    atomic_write_bytes(out_dir / "learning_curve.json", json_bytes(json_round_trip(list(history))))
+    plot_learning_curves({label: history}, metrics, out_dir / "learning_curve.png")
+
+
+def plot_learning_curves(curves: Mapping[str, Sequence[Mapping[str, Any]]], metrics: Sequence[str],
+                         path: Path) -> None:
+    """Test error against simulator calls, one panel per metric, one line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, history in curves.items():
+            ax.plot([h["simulator_calls"] for h in history], [h[metric] for h in history], "o-", label=label)
+        ax.set(xlabel="simulator calls (training data)", ylabel=f"test {metric}", yscale="log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare_strategies(app: App, app_cfg: Any, out_dir: str | Path, **options: Any) -> dict[str, Any]:
+    """Active (qbc) and random learning with the same seeds, pools and test set: ``out_dir/active``,
+    ``out_dir/random``, ``out_dir/test``; the joint curve in ``out_dir/learning_curve.png``."""
+    out_dir = Path(out_dir)
+    options.pop("strategy", None)
+    problem = options.pop("problem", None) or default_problem(app, app_cfg)
+    curves = {}
+    for label, strategy in (("active", "qbc"), ("random", "random")):
+        curves[label] = run_active_learning(app, app_cfg, out_dir / label, strategy=strategy, problem=problem,
+                                            test_dir=out_dir / "test", **options)
+    plot_learning_curves(curves, problem.curve_metrics, out_dir / "learning_curve.png")
+    metric = problem.curve_metrics[0]
+    final_random = curves["random"][-1][metric]
+    return {**curves, "metric": metric, "calls_to_reach_random_final": calls_to_reach(
+        [h["simulator_calls"] for h in curves["active"]], [h[metric] for h in curves["active"]], final_random)}

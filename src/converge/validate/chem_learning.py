@@ -1,0 +1,156 @@
+"""The chem app's part of active learning and uncertainty: NMS candidates, DFT labels, spreads.
+
+Candidates are normal-mode-sampled conformers (:func:`~converge.apps.chem.sampling.sample_conformer`
+around the GFN2-xTB minimum): cheap to draw by the thousand. A candidate is its
+parameters ``{"conformer_seed", "temperature"}``; its geometry is what the app's
+simulator draws from them, so labelling one is ``app.simulate`` at that
+temperature (checked to give the same geometry). The temperatures cycle through
+``temperatures`` (default the app's and twice it, as the chem benchmarks' "hot"
+set), so pools and the test set hold some high-energy conformers.
+
+Spreads from an ensemble's served outputs (total energy, hartree; forces, hartree/Å):
+
+- energy: ``sigma_E``, the std over members of the total energy (ddof = 1);
+- energy per atom: ``rho = sigma_E / sqrt(N_atoms)``, the query-by-committee score
+  of ANI's active learning (Smith et al., J. Chem. Phys. 148, 241733 (2018)). The
+  std of the atomic contributions was not used: members split the same total
+  among atoms differently (self-energies fitted on each member's own split), so
+  their atomic energies disagree even where the totals agree;
+- force per atom: ``|sigma_F_i|``, the norm over x, y, z of the per-component std.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from ..apps.chem.config import ChemConfig
+from ..apps.chem.molecules import get_molecule
+from ..apps.chem.sampling import SamplingError, reference_modes, sample_conformer
+from ..simulate.sample import draw_parameters
+from ..units import hartree_to_kcal_mol
+from .active import HeldOut
+from .ensemble import EnsembleModel, EnsemblePrediction
+from .ood import fit_envelope, save_envelope
+
+CHEMICAL_ACCURACY_KCAL_MOL = 1.0  # the usual target for an energy error
+
+
+class ChemSpread(NamedTuple):
+    energy: torch.Tensor  # (B,) hartree, ensemble mean of the total energy
+    energy_std: torch.Tensor  # (B,) hartree
+    energy_std_per_atom: torch.Tensor  # (B,) hartree, sigma_E / sqrt(N_atoms)
+    forces: torch.Tensor  # (B, A, 3) hartree/Å, ensemble mean
+    force_spread: torch.Tensor  # (B, A) hartree/Å, |std over members| per atom; 0 on padding
+
+
+def energy_spread_per_atom(energy_std: torch.Tensor, species: torch.Tensor) -> torch.Tensor:
+    """``sigma_E / sqrt(N_atoms)``: (B,) from energy std (B,) and species (B, A) (0/-1 padding)."""
+    n_atoms = (species > 0).sum(-1).clamp(min=1).to(energy_std.dtype)
+    return energy_std / n_atoms.sqrt()
+
+
+def atom_force_spread(forces_std: torch.Tensor) -> torch.Tensor:
+    """Per-atom force spread ``sqrt(sum_xyz std_c^2)``: (B, A, 3) -> (B, A)."""
+    return torch.linalg.vector_norm(forces_std, dim=-1)
+
+
+def chem_spread(prediction: EnsemblePrediction, species: torch.Tensor | np.ndarray) -> ChemSpread:
+    """Means and spreads of an ensemble's chem outputs (``EnsembleModel.predict``)."""
+    species = torch.as_tensor(np.asarray(species))
+    return ChemSpread(prediction.mean["energy"], prediction.std["energy"],
+                      energy_spread_per_atom(prediction.std["energy"], species), prediction.mean["forces"],
+                      atom_force_spread(prediction.std["forces"]))
+
+
+class ChemLearning:
+    """Active learning's view of the chem app (:class:`~converge.validate.active.LearningProblem`)."""
+
+    curve_metrics = ("energy_mae_kcal_mol", "force_mae_kcal_mol_A")
+
+    def __init__(self, app: Any, app_cfg: ChemConfig, temperatures: Sequence[float] | None = None,
+                 target_error: float = CHEMICAL_ACCURACY_KCAL_MOL) -> None:
+        self.app, self.app_cfg = app, app_cfg
+        self.temperatures = tuple(float(t) for t in (temperatures or (app_cfg.temperature, 2 * app_cfg.temperature)))
+        if not self.temperatures or min(self.temperatures) <= 0:
+            raise ValueError(f"temperatures={self.temperatures}: give one or more temperatures > 0 K")
+        self.target_error = float(target_error)
+        self.species = get_molecule(app_cfg.molecule).atomic_numbers  # (A,)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"temperatures": list(self.temperatures), "target_error_kcal_mol": self.target_error}
+
+    def conformer(self, params: Mapping[str, float]) -> np.ndarray:
+        """The candidate's geometry (A, 3) Å: the draw ``app.simulate`` makes at its temperature."""
+        rng = np.random.default_rng(int(params["conformer_seed"]))
+        return sample_conformer(reference_modes(self.app_cfg), float(params["temperature"]), rng,
+                                self.app_cfg.min_distance)
+
+    def draw(self, seed: int, n: int) -> list[dict[str, float]]:
+        """``n`` candidates; candidate ``i`` at ``temperatures[i % len]``; unsampleable draws are skipped."""
+        out: list[dict[str, float]] = []
+        index = 0
+        while len(out) < n:
+            if index >= 10 * n + 100:
+                raise SamplingError(f"fewer than {n} of {index} NMS draws gave a valid conformer; "
+                                    f"lower the temperatures {self.temperatures} or app.min_distance")
+            params = {**draw_parameters(self.app, self.app_cfg, seed, index),
+                      "temperature": self.temperatures[len(out) % len(self.temperatures)]}
+            index += 1
+            try:
+                self.conformer(params)
+            except SamplingError:
+                continue
+            out.append(params)
+        return out
+
+    def inputs(self, params: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
+        coordinates = np.stack([self.conformer(p) for p in params])  # (N, A, 3) Å
+        return {"species": np.broadcast_to(self.species, (len(params), len(self.species))).copy(),
+                "coordinates": coordinates}
+
+    def label(self, params: Mapping[str, float]) -> dict[str, np.ndarray]:
+        """DFT through the app's simulator at the candidate's temperature."""
+        cfg = replace(self.app_cfg, temperature=float(params["temperature"]))
+        arrays = self.app.simulate(cfg, {"conformer_seed": params["conformer_seed"]})
+        if not np.allclose(arrays["coordinates"], self.conformer(params), atol=1e-10):
+            raise RuntimeError("the simulator drew another geometry than the candidate's: ChemLearning.conformer "
+                               "no longer matches ChemApp.simulate")
+        return arrays
+
+    def disagreement(self, prediction: EnsemblePrediction, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """``sigma_E / sqrt(N_atoms)`` in kcal/mol per candidate."""
+        species = torch.as_tensor(np.asarray(inputs["species"]))
+        return hartree_to_kcal_mol(energy_spread_per_atom(prediction.std["energy"], species).numpy())
+
+    def held_out(self, ensemble: EnsembleModel, arrays: Mapping[str, np.ndarray],
+                 params: Mapping[str, np.ndarray]) -> HeldOut:
+        """Energy and force errors of the ensemble mean, and the mean spreads (kcal/mol, kcal/mol/Å)."""
+        prediction = ensemble.predict({"species": arrays["species"], "coordinates": arrays["coordinates"]})
+        spread = chem_spread(prediction, arrays["species"])
+        energy_error = hartree_to_kcal_mol(spread.energy.numpy() - arrays["energy"])  # (N,)
+        force_error = hartree_to_kcal_mol(spread.forces.numpy() - arrays["forces"])  # (N, A, 3)
+        energy_std = hartree_to_kcal_mol(spread.energy_std.numpy())
+        metrics: dict[str, Any] = {
+            "n_test": len(energy_error),
+            "energy_mae_kcal_mol": float(np.mean(np.abs(energy_error))),
+            "energy_rmse_kcal_mol": float(np.sqrt(np.mean(energy_error**2))),
+            "force_mae_kcal_mol_A": float(np.mean(np.abs(force_error))),
+            "mean_energy_spread_kcal_mol": float(np.mean(energy_std)),
+            "mean_energy_spread_per_atom_kcal_mol": float(np.mean(hartree_to_kcal_mol(
+                spread.energy_std_per_atom.numpy()))),
+            "mean_force_spread_kcal_mol_A": float(np.mean(hartree_to_kcal_mol(spread.force_spread.numpy()))),
+        }
+        if "temperature" in params:
+            metrics["energy_mae_by_temperature"] = {
+                f"{t:g}": float(np.mean(np.abs(energy_error[params["temperature"] == t])))
+                for t in np.unique(params["temperature"])}
+        return HeldOut(metrics, energy_std, energy_error, "energy", "kcal/mol")
+
+    def after_training(self, ensemble_dir: Path, arrays: Mapping[str, np.ndarray]) -> None:
+        """The training set's envelope (``ood.json``), for :func:`~converge.validate.ood.check_in_distribution`."""
+        save_envelope(ensemble_dir, fit_envelope(arrays["species"], arrays["coordinates"]))

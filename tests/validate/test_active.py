@@ -1,0 +1,127 @@
+"""Active learning: the selection rule, and a tiny chem run that finishes and resumes round by round."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from converge.apps.chem import ChemApp, ChemConfig
+from converge.config import ConfigError
+from converge.data.store import ShardStore
+from converge.train.loop import TrainConfig
+from converge.validate.active import LearningConfig, calls_to_reach, round_dir, run_active_learning, select_candidates
+from converge.validate.chem_learning import ChemLearning, atom_force_spread, energy_spread_per_atom
+from converge.validate.ensemble import EnsemblePrediction
+from converge.validate.ood import check_in_distribution, load_envelope
+
+
+def test_qbc_picks_the_highest_disagreement():
+    scores = np.array([0.1, 5.0, 0.3, 2.0, 0.2, 9.0, 2.0])
+    picked = select_candidates(scores, 3, "qbc", np.random.default_rng(0))
+    assert picked.tolist() == [5, 1, 3]  # highest first; the tie 3/6 goes to pool order
+    assert set(select_candidates(scores, 4, "qbc", np.random.default_rng(0))) == {5, 1, 3, 6}
+    # a candidate the ensemble cannot score (NaN, inf) is the most worth labelling
+    assert select_candidates(np.array([1.0, np.nan, 3.0]), 1, "qbc", np.random.default_rng(0)).tolist() == [1]
+
+
+def test_random_selection_ignores_scores_and_repeats_with_its_seed():
+    scores = np.arange(100.0)
+    a = select_candidates(scores, 10, "random", np.random.default_rng(7))
+    b = select_candidates(-scores, 10, "random", np.random.default_rng(7))
+    assert a.tolist() == b.tolist() and len(set(a.tolist())) == 10 and a.max() < 100
+    assert a.tolist() != list(range(90, 100))
+    with pytest.raises(ValueError, match="cannot select 5 of 3"):
+        select_candidates(np.zeros(3), 5, "qbc", np.random.default_rng(0))
+    with pytest.raises(ValueError, match="strategy"):
+        select_candidates(np.zeros(3), 1, "greedy", np.random.default_rng(0))
+
+
+def test_budget_split_and_settings_errors():
+    assert LearningConfig(budget=10, rounds=4, pool_size=100).round_sizes() == [3, 3, 2, 2]
+    with pytest.raises(ConfigError, match="every round labels at least one"):
+        LearningConfig(budget=2, rounds=3)
+    with pytest.raises(ConfigError, match="pool_size"):
+        LearningConfig(budget=40, rounds=2, pool_size=10)
+    with pytest.raises(ConfigError, match="qbc, random"):
+        LearningConfig(strategy="uncertainty")
+    assert calls_to_reach([10, 20, 30], [3.0, 1.5, 0.9], 1.5) == 20.0
+    assert calls_to_reach([10, 20], [3.0, 2.0], 1.0) is None
+
+
+def test_chem_spreads_per_atom_and_per_force():
+    species = torch.tensor([[8, 1, 1, 0], [6, 1, 1, 1]])  # water padded, methane
+    torch.testing.assert_close(energy_spread_per_atom(torch.tensor([3.0, 4.0]), species),
+                               torch.tensor([3.0 / 3**0.5, 2.0]))
+    std = torch.zeros(2, 4, 3)
+    std[0, 1] = torch.tensor([3.0, 4.0, 0.0])
+    assert atom_force_spread(std)[0].tolist() == [0.0, 5.0, 0.0, 0.0]
+    prediction = EnsemblePrediction({"energy": torch.zeros(2)}, {"energy": torch.tensor([0.001, 0.0])}, None)
+    problem = ChemLearning(ChemApp(), ChemConfig(molecule="water"))
+    scores = problem.disagreement(prediction, {"species": species.numpy()})
+    assert scores[0] == pytest.approx(627.5095 * 0.001 / 3**0.5, rel=1e-5) and scores[1] == 0.0
+
+
+class CountingChemApp(ChemApp):
+    """The chem app, counting its simulator (DFT) calls."""
+
+    calls = 0
+
+    def simulate(self, cfg, params):
+        type(self).calls += 1
+        return super().simulate(cfg, params)
+
+
+CFG = ChemConfig(molecule="water", level="fast", hidden=(8,))
+TRAIN = TrainConfig(epochs=2, batch_size=4, lr=1e-3, precision="fp32", device="cpu", patience=10)
+SETTINGS = dict(initial=4, budget=4, rounds=2, pool_size=16, strategy="qbc", seed=3, members=2, n_test=4,
+                train_cfg=TRAIN)
+
+
+@pytest.fixture
+def one_thread():
+    """One thread for PySCF and torch: on a small shared machine, tiny DFT and tiny nets run faster so."""
+    from pyscf import lib
+
+    pyscf_threads, torch_threads = lib.num_threads(), torch.get_num_threads()
+    lib.num_threads(1)
+    torch.set_num_threads(1)
+    yield
+    lib.num_threads(pyscf_threads)
+    torch.set_num_threads(torch_threads)
+
+
+def test_tiny_chem_run_finishes_and_resumes_after_its_last_finished_round(tmp_path, one_thread):
+    app = CountingChemApp()
+    CountingChemApp.calls = 0
+    history = run_active_learning(app, CFG, tmp_path, stop_after=2, **SETTINGS)
+    assert [h["round"] for h in history] == [0, 1]
+    assert CountingChemApp.calls == 4 + 4 + 2  # test set, initial set, round 1
+    assert not (round_dir(tmp_path, 2)).exists()
+    finished = {r: (round_dir(tmp_path, r) / "metrics.json").stat().st_mtime_ns for r in (0, 1)}
+
+    history = run_active_learning(app, CFG, tmp_path, **SETTINGS)
+    assert CountingChemApp.calls == 10 + 2  # only round 2's candidates were simulated
+    assert {r: (round_dir(tmp_path, r) / "metrics.json").stat().st_mtime_ns for r in (0, 1)} == finished
+    assert [h["simulator_calls"] for h in history] == [4, 6, 8]
+    assert [h["n_train"] + h["failed"] for h in history] == [4, 6, 8]
+    for h in history:
+        assert np.isfinite(h["energy_mae_kcal_mol"]) and np.isfinite(h["force_mae_kcal_mol_A"])
+        assert h["mean_energy_spread_kcal_mol"] > 0 and set(h["energy_mae_by_temperature"]) == {"300", "600"}
+
+    # round 2 labelled the two highest-disagreement candidates of its pool
+    selection = json.loads((round_dir(tmp_path, 2) / "selection.json").read_text())
+    scores = np.asarray(selection["disagreement"])
+    assert len(scores) == 16 and sorted(selection["selected"]) == sorted(np.argsort(-scores)[:2].tolist())
+    assert history[2]["selected_mean_disagreement"] >= history[2]["pool_mean_disagreement"]
+
+    ensemble_dir = round_dir(tmp_path, 2) / "ensemble"
+    assert json.loads((ensemble_dir / "calibration.json").read_text())["n"] == 4
+    envelope = load_envelope(ensemble_dir)
+    trained = ShardStore.open(round_dir(tmp_path, 0) / "data").load()
+    assert check_in_distribution(envelope, trained["species"][0], trained["coordinates"][0]) == []
+    assert envelope.n_conformers == history[2]["n_train"]
+    assert (tmp_path / "learning_curve.png").is_file()
+    assert len(json.loads((tmp_path / "learning_curve.json").read_text())) == 3
+
+    with pytest.raises(ConfigError, match="other learn settings"):
+        run_active_learning(app, CFG, tmp_path, **{**SETTINGS, "pool_size": 32})
