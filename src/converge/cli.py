@@ -20,7 +20,7 @@ from rich.console import Console
 from .config import ConfigError, check_sections, load_section, parse_overrides, read_toml
 from .data.store import StoreError
 
-SECTIONS = {"app", "simulate", "train", "evaluate", "detect"}
+SECTIONS = {"app", "simulate", "cluster", "train", "evaluate", "detect"}
 console = Console(stderr=True)
 cli = typer.Typer(
     help="converge: turn an expensive simulation into a trusted neural surrogate.\n\n"
@@ -31,7 +31,7 @@ cli = typer.Typer(
     rich_markup_mode=None,  # help texts hold [app], [train] ... literally
 )
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file with [app], [simulate], [train], ... tables.")
+ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file with [app], [simulate], [cluster], [train], ... tables.")
 SetOpt = typer.Option(None, "--set", help="Override one key: section.key=value (repeatable), e.g. train.lr=0.001.")
 
 
@@ -45,7 +45,9 @@ def _tables(config: Optional[Path], sets: Optional[list[str]]) -> tuple[dict[str
 
 def _fail(message: str, code: int = 2) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every rank fails alike; one says why
-        console.print(f"[bold red]error:[/] {message}")
+        from rich.markup import escape
+
+        console.print(f"[bold red]error:[/] {escape(message)}")  # messages name [tables]: not markup
     raise typer.Exit(code)
 
 
@@ -70,9 +72,17 @@ def simulate_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="Dataset directory (created; resumed if present)."),
     samples: Optional[int] = typer.Option(None, "--samples", "-n", help="Number of samples to simulate."),
     seed: Optional[int] = typer.Option(None, help="Seed: same seed, same dataset, byte for byte."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Local worker processes."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j",
+                                          help="Worker processes on this machine (local pool or Dask LocalCluster)."),
     shard_size: Optional[int] = typer.Option(None, help="Samples per shard file."),
     repair: bool = typer.Option(False, help="Re-verify every shard and recreate corrupt or missing ones."),
+    executor: Optional[str] = typer.Option(None, help="Where samples run: local (a process pool on this machine) "
+                                           "or dask. The dataset is the same byte for byte either way."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="Dask: use the running scheduler at ADDRESS "
+                                            "(e.g. tcp://10.0.0.5:8786) instead of starting a cluster."),
+    cluster: Optional[str] = typer.Option(None, help="Dask: start a LocalCluster of --workers processes (local), or "
+                                          "SLURM/PBS batch jobs (slurm|pbs) set by the [cluster] table of --config "
+                                          "(see docs/cluster.md)."),
     config: Optional[Path] = ConfigOpt,
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
@@ -83,6 +93,7 @@ def simulate_cmd(
     exits with status 1 naming them.
     """
     from .apps.base import load_app
+    from .simulate.executors import ClusterConfig
     from .simulate.runner import SimulateConfig, run_ensemble
 
     try:
@@ -90,12 +101,15 @@ def simulate_cmd(
         application = load_app(app)
         app_cfg = load_section(application.config_cls, tables, "app", ov.get("app"))
         sim_cfg = load_section(SimulateConfig, tables, "simulate", {
-            **ov.get("simulate", {}), "samples": samples, "seed": seed, "workers": workers, "shard_size": shard_size})
+            **ov.get("simulate", {}), "samples": samples, "seed": seed, "workers": workers, "shard_size": shard_size,
+            "executor": executor, "scheduler_address": scheduler, "cluster": cluster})
+        cluster_cfg = load_section(ClusterConfig, tables, "cluster", ov.get("cluster"))
     except (ConfigError, KeyError) as err:
         _fail(str(err).strip("'\""))
     try:
-        result = run_ensemble(application, app_cfg, sim_cfg, out, progress=True, repair=repair)
-    except StoreError as err:
+        result = run_ensemble(application, app_cfg, sim_cfg, out, progress=True, repair=repair,
+                              cluster_cfg=cluster_cfg)
+    except (StoreError, ConnectionError, ConfigError) as err:
         _fail(str(err))
     console.print(f"{result.n_ok} samples stored in {out} ({result.shards_computed} shards computed, "
                   f"{result.shards_skipped} already complete)")
@@ -108,8 +122,12 @@ def simulate_cmd(
 @cli.command("train")
 def train_cmd(
     app: str = typer.Argument(..., help="App name, e.g. gw."),
-    data: Path = typer.Option(..., "--data", "-d", help="Dataset directory made by `converge simulate`."),
+    data: Optional[Path] = typer.Option(None, "--data", "-d", help="Dataset directory made by `converge simulate`."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory for checkpoints, metrics and config."),
+    follow: Optional[Path] = typer.Option(None, "--follow", help="Instead of --data: a dataset an ensemble is still "
+                                          "writing. Training starts once its first samples land and takes in new "
+                                          "shards at every epoch start (the LR schedule is sized for the finished "
+                                          "dataset). One process."),
     epochs: Optional[int] = typer.Option(None, help="Training epochs."),
     batch_size: Optional[int] = typer.Option(None, help="Samples per optimizer step, all processes together."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate of the one-cycle schedule."),
@@ -134,6 +152,9 @@ def train_cmd(
                                          "(DDP). Checkpoints become OUT/last.dcp/ directories "
                                          "(torch.distributed.checkpoint), loadable on any number of processes; "
                                          "needs bf16 or fp32."),
+    ensemble: Optional[int] = typer.Option(None, "--ensemble", help="Train K members (seeds seed..seed+K-1: other "
+                                           "initialisation and data order) into OUT/member-i/; predictions then "
+                                           "carry the members' mean and spread. Resumes member by member."),
     config: Optional[Path] = ConfigOpt,
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
@@ -145,6 +166,17 @@ def train_cmd(
     from .train.loop import TrainConfig, train
 
     _threads()
+    if (data is None) == (follow is None):
+        _fail("give the dataset with --data DIR, or with --follow DIR for one still being simulated")
+    follower = None
+    if follow is not None:
+        from .data.follow import DatasetFollower, FollowTimeout
+
+        try:
+            follower = DatasetFollower.wait(follow, report=console.print)
+        except FollowTimeout as err:
+            _fail(str(err))
+        data = follow
     try:
         tables, ov = _tables(config, sets)
         application = load_app(app)
@@ -157,6 +189,10 @@ def train_cmd(
             "grad_accum_steps": grad_accum, "shard": shard})
     except (ConfigError, KeyError, FileNotFoundError, ValueError, StoreError) as err:
         _fail(str(err).strip("'\""))
+    if follow is not None and ((nproc or 1) > 1 or ensemble):
+        _fail("--follow trains one model in one process: leave out --nproc and --ensemble")
+    if ensemble is not None and (ensemble < 2 or (nproc or 1) > 1):
+        _fail(f"--ensemble {ensemble}: give K >= 2 members, trained one after the other (without --nproc)")
     if nproc is not None:
         if nproc < 1:
             _fail(f"--nproc {nproc}: give the number of processes, >= 1")
@@ -172,7 +208,7 @@ def train_cmd(
             sys.stderr.flush()
             os.execv(command[0], command)  # torchrun runs this command again in every process
     try:
-        arrays = store.load()
+        arrays = follower.refresh() if follower else store.load()
     except (ValueError, StoreError) as err:
         _fail(str(err))
     main_rank = os.environ.get("RANK", "0") == "0"
@@ -181,9 +217,19 @@ def train_cmd(
         mode = ("FSDP" if cfg.shard else "DDP") + f" over {world} processes" if world > 1 or cfg.shard else "1 process"
         console.print(f"training {app} on {len(store)} samples from {data} -> {out} "
                       f"({cfg.precision}, {cfg.device}, {mode})")
+    extra = {"data": str(data), "data_manifest_sha256": sha256_file(Path(data) / "manifest.json")}
+    if ensemble:
+        from .validate.ensemble import EnsembleError, train_ensemble
+
+        try:
+            record = train_ensemble(application, app_cfg, cfg, arrays, out, members=ensemble, progress=True,
+                                    extra_config=extra)
+        except (CheckpointError, ConfigError, EnsembleError, ValueError) as err:
+            _fail(str(err))
+        console.print(f"ensemble of {ensemble} members in {out}: {json.dumps(record.get('members', ''))[:200]}")
+        return
     try:
-        result = train(application, app_cfg, cfg, arrays, out, resume=resume,
-                       extra_config={"data": str(data), "data_manifest_sha256": sha256_file(Path(data) / "manifest.json")})
+        result = train(application, app_cfg, cfg, arrays, out, resume=resume, extra_config=extra, follow=follower)
     except (CheckpointError, ConfigError) as err:
         _fail(str(err))
     if main_rank:
@@ -342,6 +388,90 @@ def bench_serve_cmd(
     json_path, png_path = write_results({report["app"]: report}, out or run)
     print(json.dumps(headline(report), indent=2))
     console.print(f"written {json_path} and {png_path}")
+
+
+@cli.command("learn")
+def learn_cmd(
+    app: str = typer.Argument(..., help="App name (chem)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder of the rounds (resumed if present)."),
+    budget: int = typer.Option(64, help="Simulator calls added over all rounds after the initial set."),
+    rounds: int = typer.Option(4, help="Rounds of select -> simulate -> retrain."),
+    initial: int = typer.Option(16, help="Simulated samples the first ensemble trains on."),
+    pool: int = typer.Option(1024, help="Cheap candidates scored by the ensemble each round."),
+    members: int = typer.Option(4, help="Ensemble members (the committee)."),
+    test: int = typer.Option(48, help="Held-out simulated samples for the learning curve."),
+    strategy: str = typer.Option("qbc", help="qbc (highest ensemble disagreement), random, or both (side by side)."),
+    seed: int = typer.Option(0, help="Seed of pools, initial and test sets (shared by both strategies)."),
+    epochs: int = typer.Option(300, help="Training epochs per member per round."),
+    batch_size: int = typer.Option(8, help="Training batch size."),
+    config: Optional[Path] = ConfigOpt,
+    sets: Optional[list[str]] = SetOpt,
+) -> None:
+    """Active learning: simulate only where the ensemble disagrees (query by committee).
+
+    Each round trains an ensemble, scores a pool of cheap candidates (chem: normal-mode
+    conformers at T and 2T), simulates the most disputed ones and retrains. Every round is
+    checkpointed: rerun the same command to continue. Writes OUT/learning_curve.png and
+    per-round metrics.json (test error against simulator calls).
+    """
+    from .apps.base import load_app
+    from .train.loop import TrainConfig
+    from .validate.active import compare_strategies, run_active_learning
+
+    _threads()
+    if strategy not in ("qbc", "random", "both"):
+        _fail(f"--strategy {strategy!r}: choose qbc, random or both")
+    try:
+        tables, ov = _tables(config, sets)
+        application = load_app(app)
+        app_cfg = load_section(application.config_cls, tables, "app", ov.get("app"))
+        tcfg = load_section(TrainConfig, tables, "train", {**ov.get("train", {}), "epochs": epochs,
+                                                           "batch_size": batch_size, "patience": epochs})
+        options = dict(initial=initial, budget=budget, rounds=rounds, pool_size=pool, seed=seed, members=members,
+                       n_test=test, train_cfg=tcfg, progress=True)
+        if strategy == "both":
+            result = compare_strategies(application, app_cfg, out, **options)
+            console.print(f"active reaches random's final error with {result['calls_to_reach_random_final']} calls")
+        else:
+            history = run_active_learning(application, app_cfg, out, strategy=strategy, **options)
+            console.print(json.dumps(history[-1], indent=2)[:1500])
+    except (ConfigError, KeyError, ValueError) as err:
+        _fail(str(err).strip("'\""))
+
+
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def _run_module_main(module: str, ctx: typer.Context) -> None:
+    """Hand the arguments to a benchmark module's own parser (its --help lists every option)."""
+    import importlib
+
+    _threads()
+    raise typer.Exit(importlib.import_module(module).main(ctx.args))
+
+
+@bench_cli.command("gemm", context_settings=PASS_THROUGH)
+def bench_gemm_cmd(ctx: typer.Context) -> None:
+    """Matrix-product TFLOP/s by size and precision (fp64, fp32, tf32, bf16, fp16) against the peak. --help: options."""
+    _run_module_main("converge.bench.gemm", ctx)
+
+
+@bench_cli.command("allreduce", context_settings=PASS_THROUGH)
+def bench_allreduce_cmd(ctx: typer.Context) -> None:
+    """allreduce/allgather/reduce_scatter/broadcast bandwidth (Gloo or NCCL), nccl-tests busbw. --help: options."""
+    _run_module_main("converge.bench.collectives", ctx)
+
+
+@bench_cli.command("surrogate", context_settings=PASS_THROUGH)
+def bench_surrogate_cmd(ctx: typer.Context) -> None:
+    """Simulator (matched-filter bank, DFT) against surrogate time per sample, with accuracy. --help: options."""
+    _run_module_main("converge.bench.surrogate", ctx)
+
+
+@cli.command("report", context_settings=PASS_THROUGH)
+def report_cmd(ctx: typer.Context) -> None:
+    """One self-contained HTML page of every benchmark and evaluation result. --help: options."""
+    _run_module_main("converge.bench.report", ctx)
 
 
 @cli.command("demo")

@@ -168,22 +168,29 @@ def train(
     progress: bool = True,
     extra_config: Mapping[str, Any] | None = None,
     stop_after: int | None = None,
+    follow: Any = None,
 ) -> TrainResult:
     """Train ``app``'s model on stored ``arrays``; checkpoints and logs go to ``run_dir``.
 
     ``stop_after`` ends the run after that many epochs in this call, as a kill
-    between epochs would (the schedule still spans ``cfg.epochs``).
+    between epochs would (the schedule still spans ``cfg.epochs``). ``follow`` (a
+    :class:`~converge.data.follow.DatasetFollower`) takes in the shards written
+    since, at each epoch start, while the ensemble is still running; the
+    learning-rate schedule is sized for the finished dataset.
     """
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=app.default_precision)
     with process_group(cfg.device, cfg.shard) as (ranks, device):
+        if follow is not None and (ranks.world > 1 or cfg.shard):
+            raise ConfigError("--follow trains in one process: leave out --nproc and --shard (or train on the "
+                              "finished dataset with them)")
         return _train(app, app_cfg, cfg, arrays, Path(run_dir), resume, progress, extra_config, stop_after,
-                      ranks, device)
+                      ranks, device, follow)
 
 
 def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.ndarray], run_dir: Path, resume: bool,
            progress: bool, extra_config: Mapping[str, Any] | None, stop_after: int | None, ranks: Ranks,
-           device: torch.device) -> TrainResult:
+           device: torch.device, follow: Any = None) -> TrainResult:
     if ranks.main:
         run_dir.mkdir(parents=True, exist_ok=True)
     config = {"app": app.name, "app_config": to_dict(app_cfg), "train": to_dict(cfg), **(extra_config or {})}
@@ -206,8 +213,13 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
     wrapped = wrap_model(net, ranks, device, shard=cfg.shard, bucket_cap_mb=cfg.bucket_cap_mb,
                          find_unused=find_unused)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    planned = plan  # a followed dataset grows: size the schedule for the finished one
+    if follow is not None:
+        stored = len(next(iter(arrays.values())))  # a source may count windows, not stored samples
+        final = max(len(train_src), math.ceil(len(train_src) * follow.planned_samples / max(stored, 1)))
+        planned = plan_steps(final, cfg.batch_size, ranks.world, cfg.grad_accum_steps)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * plan.optimizer_steps,
+        optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * planned.optimizer_steps,
         pct_start=max(cfg.warmup_fraction, 1e-3), anneal_strategy="cos",
     )
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
@@ -244,6 +256,10 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
                 break
             if stop_after is not None and epoch - start_epoch >= stop_after:
                 break
+            if follow is not None and (grown := follow.refresh()) is not None:
+                train_src, val_src = app.make_datasets(app_cfg, grown, cfg.seed, cfg.val_fraction)
+                plan = plan_steps(len(train_src), cfg.batch_size, ranks.world, cfg.grad_accum_steps)
+                bad_epochs = 0  # new data: patience starts again
             app.on_epoch_start(train_src, epoch, cfg.epochs)
             task = bar.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=plan.optimizer_steps, info="") if bar else 0
             on_step = (lambda mean, task=task: bar.update(task, advance=1, info=f"loss {mean:.4f}")) if bar else None
@@ -255,7 +271,8 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
             epochs_run += 1
             train_seconds = time.perf_counter() - t_epoch
             record = {"epoch": epoch, "train_loss": loss_sum / max(n_sum, 1), "lr": scheduler.get_last_lr()[0],
-                      "samples_per_s": n_sum / train_seconds, "samples_seen": samples_seen}
+                      "samples_per_s": n_sum / train_seconds, "samples_seen": samples_seen,
+                      "n_train_samples": len(train_src)}
             if ranks.main or cfg.shard:  # a sharded model's forward needs every rank
                 record.update(evaluate_source(app, app_cfg, net, val_src, cfg, device))
             record = broadcast_from_main(record)  # every rank takes rank 0's decisions
@@ -317,7 +334,8 @@ def _train_epoch(app: App, app_cfg: Any, cfg: TrainConfig, model: torch.nn.Modul
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            if scheduler.last_epoch < scheduler.total_steps:  # a followed dataset may outgrow its estimate
+                scheduler.step()
             if on_step:
                 on_step(float(loss_sum) / max(n_sum, 1))
     return float(loss_sum), n_sum
