@@ -336,22 +336,38 @@ def serve_cmd(
     model_process: bool = typer.Option(False, "--model-process/--no-model-process",
                                        help="Run batches of 2+ in a child process per model (about +20% at high "
                                             "concurrency here, noisier at 16 clients)."),
+    fallback: Optional[str] = typer.Option(None, help="Answer untrusted samples with the app's simulator "
+                                                      "('simulator'); without it they are refused (HTTP 422)."),
+    max_uncertainty: Optional[float] = typer.Option(None, help="Untrusted above this ensemble uncertainty, in the "
+                                                               "app's unit (chem: energy spread per atom, kcal/mol; "
+                                                               "gw: probability std). Needs an ensemble run."),
+    fallback_timeout: float = typer.Option(60.0, help="Seconds the simulator may take per request (else 504)."),
+    fallback_queue: Optional[Path] = typer.Option(None, help="Keep each simulator answer here as an .npz "
+                                                             "(training data; see converge.serve.fallback)."),
+    fallback_workers: int = typer.Option(1, help="Simulator threads."),
 ) -> None:
     """Serve trained runs over the Open Inference Protocol (KServe v2) with dynamic batching.
 
     Endpoints: /v2/health/{live,ready}, /v2, /v2/models/NAME[/versions/V][/ready],
     POST /v2/models/NAME[/versions/V]/infer (JSON or binary tensors), /metrics (Prometheus).
     The Triton Python client (tritonclient[http]) works against it unchanged.
+    An ensemble run also gives each output's spread as NAME_std; with --max-uncertainty
+    or a run's ood.json, untrusted samples go to --fallback simulator or are refused.
     """
+    from .serve.fallback import TrustConfig, TrustSetupError
     from .serve.registry import ModelLoadError
     from .serve.server import ServeConfigError, serve
 
     _threads()
     try:
+        trust = TrustConfig(max_uncertainty, fallback, fallback_timeout, fallback_queue, fallback_workers)
+    except ValueError as err:
+        _fail(f"--fallback options: {err}")
+    try:
         serve(runs, host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
               max_queue_size=max_queue_size, token=token, insecure=insecure, device=device, access_log=access_log,
-              model_process=model_process)
-    except (ServeConfigError, ModelLoadError) as err:
+              model_process=model_process, trust=trust)
+    except (ServeConfigError, ModelLoadError, TrustSetupError) as err:
         _fail(str(err))
 
 

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Mapping, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -150,6 +150,33 @@ class App(ABC):
     def serve_predict(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Outputs by name for a batch of validated inputs (called under inference mode)."""
         raise NotImplementedError(f"app {self.name!r} cannot be served")
+
+    # trust-gated serving (converge.serve.fallback): a sample the surrogate should not answer
+    uncertainty_label: ClassVar[str] = "uncertainty"  # what App.uncertainty measures, with its unit
+
+    def uncertainty(self, cfg: Any, inputs: Mapping[str, np.ndarray], mean: Mapping[str, np.ndarray],
+                    std: Mapping[str, np.ndarray]) -> np.ndarray:
+        """(B,) uncertainty score of an ensemble's served outputs, in the app's natural unit.
+
+        ``mean``/``std``: each served output's mean and spread over the members, by output name.
+        """
+        raise NotImplementedError(f"app {self.name!r} defines no uncertainty score")
+
+    def simulate_inputs(self, cfg: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The simulator's answer to exactly these served inputs: the served outputs by name, batch first.
+
+        Not every app has one: a served input may not be a simulator parameter
+        (gw: a strain window's matched-filter SNR is no logit). Such an app cannot
+        fall back to its simulator and leaves this unimplemented.
+        """
+        raise NotImplementedError(f"app {self.name!r} cannot simulate served inputs")
+
+    def distribution_check(self, cfg: Any, run_dir: Path) -> Callable[[Mapping[str, np.ndarray]], list[list[str]]] | None:
+        """A check of served inputs against the run's training data, or None if the run records none.
+
+        The check returns, per sample, the reasons it is out of distribution ([] when inside).
+        """
+        return None
 
     def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
         """Run the surrogate on an input file; returns the output file written."""

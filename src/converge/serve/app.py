@@ -4,7 +4,10 @@
 :class:`~converge.serve.batcher.Batcher`, started and drained by the app's
 lifespan. Errors are ``{"error": message}`` with the status the protocol's
 users expect: 400 invalid request, 401 token, 404 model/version, 413 body,
-500 model failure, 503 queue full (with Retry-After) or shutting down, 504 timeout.
+422 untrusted samples and no fallback, 500 model failure, 502 simulator fallback
+failed, 503 queue full (with Retry-After) or shutting down, 504 timeout (of the
+queue or of the simulator fallback). ``settings.trust`` gates answers per sample
+(:mod:`converge.serve.fallback`).
 
 The infer endpoint is the hot path and is written as plain ASGI
 (:class:`InferEndpoint`), reached through a lane that skips FastAPI's
@@ -18,7 +21,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import anyio
@@ -31,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from .batcher import BatchConfig, Batcher, BatchFailed, QueueFull, RequestTimeout, ShuttingDown
+from .fallback import SOURCE, FallbackFailed, FallbackTimeout, TrustConfig, TrustGate, Untrusted
 from .metrics import ServerMetrics
 from .protocol import HEADER_LENGTH, ValidationError, encode_infer_response, parse_infer_request
 from .registry import ServedModel
@@ -47,6 +51,7 @@ class ServerSettings:
     max_body_bytes: int = 64 * 2**20
     token: str | None = None  # bearer token required on every endpoint but the health probes
     access_log: bool = True  # one JSON line per request on the "converge.serve.access" logger, at INFO
+    trust: TrustConfig | None = None  # uncertainty gate and simulator fallback; None: only a run's ood.json gates
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -68,6 +73,7 @@ class ServeError(Exception):
 ERRORS: dict[type[Exception], tuple[int, str]] = {
     ValidationError: (400, "invalid"), QueueFull: (503, "queue_full"), ShuttingDown: (503, "shutting_down"),
     RequestTimeout: (504, "timeout"), BatchFailed: (500, "model_error"),
+    Untrusted: (422, "untrusted"), FallbackTimeout: (504, "fallback_timeout"), FallbackFailed: (502, "fallback_failed"),
 }
 
 
@@ -193,8 +199,9 @@ class InferEndpoint:
     """
 
     def __init__(self, models: Mapping[str, ServedModel], batchers: Mapping[str, Batcher], settings: ServerSettings,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, gates: Mapping[str, TrustGate] | None = None) -> None:
         self.models, self.batchers, self.settings, self.metrics = models, batchers, settings, metrics
+        self.gates = dict(gates or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         params, limits = scope["path_params"], self.settings.batch
@@ -206,11 +213,14 @@ class InferEndpoint:
         if body is None:
             return  # the client is gone: nobody to answer
         try:
-            parsed = parse_infer_request(body, header(scope, HEADER_LENGTH_KEY), model.inputs, model.outputs)
+            parsed = parse_infer_request(body, header(scope, HEADER_LENGTH_KEY), model.inputs, model.all_outputs)
             if parsed.batch_size > limits.max_batch_size:
                 raise ValidationError(f"{parsed.batch_size} samples exceed max_batch_size={limits.max_batch_size}; "
                                       "split the request")
             results = await self.batchers[model.name].infer_async(parsed.inputs)
+            gate = self.gates.get(model.name)
+            if gate is not None:
+                results = await gate.review(parsed.inputs, results)
         except tuple(ERRORS) as err:
             self.metrics.request_done(model.name, next(r for cls, (_, r) in ERRORS.items() if isinstance(err, cls)))
             return await error_response(err)(scope, receive, send)
@@ -262,6 +272,13 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
         if key != model.name:
             raise ValueError(f"models[{key!r}] is named {model.name!r}; key the dict by model name")
     metrics = ServerMetrics()
+    gates = {}  # refuses trust settings a model cannot honour, before anything starts
+    for name, m in models.items():
+        gate = TrustGate.build(m, settings.trust, metrics)
+        if gate is not None:
+            gates[name] = gate
+    models = {name: replace(m, server_outputs=(*m.server_outputs, SOURCE)) if name in gates else m
+              for name, m in models.items()}
     # with model_process, each model loaded from a run runs its batches in a worker process of its own
     workers = {name: ModelProcess(m.loader, name) for name, m in models.items()
                if settings.batch.model_process and m.loader is not None}
@@ -285,10 +302,12 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
                 await anyio.to_thread.run_sync(b.close)
             for w in workers.values():
                 await anyio.to_thread.run_sync(w.close)
+            for g in gates.values():
+                g.close()
 
     app = ServingApp(title="converge", version=__version__, lifespan=lifespan, openapi_url=None)
     app.state.models, app.state.batchers, app.state.metrics = models, batchers, metrics
-    app.state.workers = workers
+    app.state.workers, app.state.gates = workers, gates
 
     async def as_json_error(request: Request, err: Exception) -> JSONResponse:
         return error_response(err)
@@ -329,7 +348,7 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
         ok = batchers[find(name, version).name].running
         return JSONResponse({"name": name, "ready": ok}, 200 if ok else 503)
 
-    infer = InferEndpoint(models, batchers, settings, metrics)
+    infer = InferEndpoint(models, batchers, settings, metrics, gates)
     for path in ("/v2/models/{name}/versions/{version}/infer", "/v2/models/{name}/infer"):
         app.router.routes.insert(0, LabelledRoute(path, infer, methods=["POST"]))  # first: the router tries in order
     app.open_infer_lane(app.router.routes[:2], GuardAndLog(infer, settings, metrics))

@@ -34,6 +34,14 @@ class ServerMetrics:
         self.compute_seconds = Histogram("converge_compute_seconds", "Time of one model call", ["model"],
                                          buckets=TIME_BUCKETS, registry=r)
         self.queued = Gauge("converge_queue_samples", "Samples waiting in the queue", ["model"], registry=r)
+        # trust gate (converge.serve.fallback); reason: uncertainty | out_of_distribution
+        self.fallbacks = Counter("converge_fallback_samples", "Untrusted samples sent to the simulator",
+                                 ["model", "reason"], registry=r)
+        self.fallback_failures = Counter("converge_fallback_failures", "Requests whose simulator fallback failed",
+                                         ["model", "reason"], registry=r)  # reason: timeout | simulator_error
+        self.untrusted_refusals = Counter("converge_untrusted_refused_samples",
+                                          "Untrusted samples refused (no fallback configured)", ["model", "reason"],
+                                          registry=r)
         self._children: dict[tuple, object] = {}  # (metric, label values) -> child, see _child
 
     def batch_observer(self, model: str):
@@ -60,6 +68,15 @@ class ServerMetrics:
         else:
             self._child(self.requests, model, "failure").inc()
             self._child(self.failures, model, reason).inc()
+
+    def fallback(self, model: str, reason: str, samples: int = 1) -> None:
+        self._child(self.fallbacks, model, reason).inc(samples)
+
+    def fallback_failed(self, model: str, reason: str) -> None:
+        self._child(self.fallback_failures, model, reason).inc()
+
+    def untrusted_refused(self, model: str, reason: str, samples: int = 1) -> None:
+        self._child(self.untrusted_refusals, model, reason).inc(samples)
 
     def http_request(self, method: str, route: str, status: int) -> None:
         """One HTTP request answered (any route, any status)."""

@@ -5,6 +5,11 @@
 name, in the signature's datatypes. ``load_served_model`` builds one from a
 ``converge train`` run folder through the app's entry point; ``from_module``
 wraps any ``nn.Module`` (used by tests and by users with their own modules).
+
+An ensemble run (``ensemble.json`` and ``member-{i}/``, from ``converge train
+--ensemble K``) is served as one model: each output is the members' mean under
+its usual name, and its spread (std, ddof = 1) is an extra output ``<name>_std``
+of the same datatype and shape.
 """
 from __future__ import annotations
 
@@ -13,15 +18,16 @@ import re
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..apps.base import TensorSpec, load_app
+from ..apps.base import App, TensorSpec, load_app
 from ..train.checkpoint import load_checkpoint
 from ..train.loop import PRECISIONS, autocast_context, load_model, resolve_device
+from ..validate.ensemble import ENSEMBLE_FILE, EnsembleError, load_ensemble, reduce_members
 from .protocol import DATATYPES
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -52,18 +58,27 @@ class ServedModel:
     app: str | None = None  # the converge app, when loaded from a run
     # builds this model again in another process (picklable, e.g. a partial of load_served_model); None: cannot
     loader: Callable[[], "ServedModel"] | None = field(default=None, repr=False, compare=False)
+    app_config: Any = field(default=None, repr=False, compare=False)  # the app's config, when loaded from a run
+    run_dir: Path | None = None  # the run it was loaded from
+    # outputs the server adds after the model (the trust gate's "source" flag): listed and requested like outputs
+    server_outputs: tuple[TensorSpec, ...] = ()
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
         check_model_name(self.version)
         if self.precision not in PRECISIONS:
             raise ModelLoadError(f"precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        for spec in [*self.inputs, *self.outputs]:
+        for spec in [*self.inputs, *self.all_outputs]:
             if spec.datatype not in DATATYPES:
                 raise ModelLoadError(f"tensor {spec.name!r}: datatype {spec.datatype!r} cannot be served; "
                                      f"use one of {', '.join(DATATYPES)}")
             if not spec.shape or spec.shape[0] != -1:
                 raise ModelLoadError(f"tensor {spec.name!r}: shape {spec.shape} must start with the batch axis -1")
+
+    @property
+    def all_outputs(self) -> list[TensorSpec]:
+        """What a request may ask for: the model's outputs, then the server's."""
+        return [*self.outputs, *self.server_outputs]
 
     @property
     def device(self) -> torch.device:
@@ -111,7 +126,7 @@ class ServedModel:
             return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
 
         return {"name": self.name, "versions": [self.version], "platform": self.platform,
-                "inputs": tensors(self.inputs), "outputs": tensors(self.outputs)}
+                "inputs": tensors(self.inputs), "outputs": tensors(self.all_outputs)}
 
 
 def run_config(run_dir: Path, which: str = "best") -> dict:
@@ -132,6 +147,8 @@ def load_served_model(run_dir: Path | str, name: str | None = None, version: str
     from ..config import from_dict
 
     run_dir = Path(run_dir)
+    if (run_dir / ENSEMBLE_FILE).is_file():
+        return load_served_ensemble(run_dir, name, version, which, device)
     config = run_config(run_dir, which)
     if "app" not in config or "app_config" not in config:
         raise ModelLoadError(f"{run_dir}: config has no 'app'/'app_config'; is it a `converge train` run?")
@@ -151,4 +168,42 @@ def load_served_model(run_dir: Path | str, name: str | None = None, version: str
     precision = app.default_precision if precision == "auto" else precision
     return ServedModel(check_model_name(name or run_dir.resolve().name), model, list(inputs), list(outputs),
                        app.serve_predict, version=version, precision=precision, platform=f"converge-{app.name}",
-                       app=app.name, loader=partial(load_served_model, str(run_dir), name, version, which, device))
+                       app=app.name, loader=partial(load_served_model, str(run_dir), name, version, which, device),
+                       app_config=app_cfg, run_dir=run_dir)
+
+
+def std_name(output: str) -> str:
+    """The name of an ensemble output's spread."""
+    return f"{output}_std"
+
+
+def predict_ensemble(app: App, ensemble: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each served output's mean over the members under its name, and its std as ``<name>_std``."""
+    prediction = reduce_members([app.serve_predict(member, inputs) for member in ensemble.members])
+    return {**prediction.mean, **{std_name(k): v for k, v in prediction.std.items()}}
+
+
+def load_served_ensemble(run_dir: Path, name: str | None = None, version: str = "1", which: str = "best",
+                         device: str = "cpu") -> ServedModel:
+    """An ensemble run (``ensemble.json``) served as one model: outputs' means plus ``<name>_std`` spreads."""
+    from ..config import from_dict
+
+    record = json.loads((run_dir / ENSEMBLE_FILE).read_text())
+    try:
+        app = load_app(record["app"])
+    except KeyError as err:
+        raise ModelLoadError(f"{run_dir}: {err.args[0]}") from None
+    app_cfg = from_dict(app.config_cls, record["app_config"], "app")
+    try:
+        inputs, outputs = app.serving_signature(app_cfg)
+        ensemble = load_ensemble(app, run_dir, which, str(resolve_device(device)))
+    except (NotImplementedError, EnsembleError, FileNotFoundError) as err:
+        raise ModelLoadError(f"{run_dir}: {err}") from None
+    spreads = [TensorSpec(std_name(s.name), s.datatype, s.shape) for s in outputs]
+    precision = record.get("train", {}).get("precision", app.default_precision)
+    precision = app.default_precision if precision == "auto" else precision
+    return ServedModel(check_model_name(name or run_dir.resolve().name), ensemble, list(inputs), [*outputs, *spreads],
+                       partial(predict_ensemble, app), version=version, precision=precision,
+                       platform=f"converge-{app.name}-ensemble", app=app.name,
+                       loader=partial(load_served_model, str(run_dir), name, version, which, device),
+                       app_config=app_cfg, run_dir=run_dir)

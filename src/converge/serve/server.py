@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from .app import ServerSettings, create_app
 from .app import access_log as access_logger
 from .batcher import BatchConfig
+from .fallback import TrustConfig
 from .registry import ModelLoadError, ServedModel, load_served_model
 
 log = logging.getLogger("converge.serve")
@@ -149,12 +150,14 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
           max_queue_delay_us: int = 0, max_queue_size: int = 1024, token: str | None = None,
           insecure: bool = False, device: str = "cpu", timeout_s: float = 30.0,
           max_body_bytes: int = 64 * 2**20, log_level: str = "info", access_log: bool = True,
-          model_process: bool | None = None) -> None:
+          model_process: bool | None = None, trust: TrustConfig | None = None) -> None:
     """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues).
 
     ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, written by a
     background thread). It still costs the event loop ~20 us a request (up to ~10 % of throughput under
     load); turn it off where the Prometheus counters at /metrics are enough.
+
+    ``trust``: the uncertainty gate and simulator fallback (:mod:`converge.serve.fallback`).
     """
     import uvicorn
 
@@ -165,7 +168,7 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
     batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s, model_process)
     if model_process:  # the batcher thread takes the GIL twice a batch: let it have it sooner (default 5 ms)
         sys.setswitchinterval(min(sys.getswitchinterval(), MODEL_PROCESS_SWITCH_INTERVAL_S))
-    app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log), device)
+    app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log, trust), device)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
     for model in app.state.models.values():
         log.info("serving %s (version %s, %s, %s) at http://%s:%d/v2/models/%s", model.name, model.version,

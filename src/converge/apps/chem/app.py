@@ -9,6 +9,7 @@ autograd. Loss: energies and forces in kcal/mol, forces weighted by
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,7 +23,7 @@ from .config import ChemConfig
 from .dft import dft_energy_forces
 from .model import (ELEMENTS, ANIPotential, EnergiesForces, element_counts, fit_energy_scale, fit_self_energies,
                     from_config)
-from .molecules import get_molecule
+from .molecules import ATOMIC_NUMBERS, get_molecule
 from .sampling import reference_modes, sample_conformer
 
 
@@ -43,6 +44,13 @@ def network_energies_forces(model: ANIPotential, species: torch.Tensor, coordina
     return EnergiesForces(energy, -gradient)
 
 
+def outside_envelope(envelope: Any, inputs: Mapping[str, np.ndarray]) -> list[list[str]]:
+    """Per served sample, the reasons it lies outside the training envelope ([] when inside)."""
+    from ...validate.ood import check_batch
+
+    return check_batch(envelope, inputs["species"], inputs["coordinates"])
+
+
 def training_self_energies(species: torch.Tensor, energy: torch.Tensor) -> dict[int, float]:
     """Per-element self-energies fitted on the training set, rounded to float32.
 
@@ -50,6 +58,9 @@ def training_self_energies(species: torch.Tensor, energy: torch.Tensor) -> dict[
     """
     fitted = fit_self_energies(species, energy)
     return {z: float(np.float32(v)) for z, v in fitted.items()}
+
+
+SYMBOL_OF = {z: symbol for symbol, z in ATOMIC_NUMBERS.items()}  # atomic number -> element
 
 
 class ChemApp(App):
@@ -151,6 +162,44 @@ class ChemApp(App):
         counts = (species.unsqueeze(-1) == torch.tensor(ELEMENTS, device=species.device)).sum(1).double()  # (B, E)
         energy = out.energy.double() + counts @ model.self_energies.double()  # type: ignore[operator]
         return {"energy": energy, "forces": out.forces.float()}
+
+    uncertainty_label = "energy spread per atom [kcal/mol]"
+
+    def uncertainty(self, cfg: ChemConfig, inputs: Mapping[str, np.ndarray], mean: Mapping[str, np.ndarray],
+                    std: Mapping[str, np.ndarray]) -> np.ndarray:
+        """``sigma_E / sqrt(N_atoms)`` in kcal/mol, (B,): ANI's query-by-committee score."""
+        from ...validate.chem_learning import energy_spread_per_atom
+
+        rho = energy_spread_per_atom(torch.from_numpy(np.asarray(std["energy"], dtype=np.float64)),
+                                     torch.from_numpy(np.array(inputs["species"], dtype=np.int64)))
+        return hartree_to_kcal_mol(rho.numpy())
+
+    def simulate_inputs(self, cfg: ChemConfig, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """DFT energy (B,) hartree and forces (B, A, 3) hartree/Å of the given structures at ``cfg``'s level.
+
+        Padding atoms (species 0 or -1) are left out of the calculation and get zero forces.
+        """
+        species = np.asarray(inputs["species"], dtype=np.int64)  # (B, A)
+        coordinates = np.asarray(inputs["coordinates"], dtype=np.float64)  # (B, A, 3) Å
+        energy = np.zeros(len(species), dtype=np.float64)
+        forces = np.zeros(coordinates.shape, dtype=np.float64)
+        for b, (z, xyz) in enumerate(zip(species, coordinates)):
+            real = z > 0
+            unknown = sorted(set(z[real].tolist()) - set(SYMBOL_OF))
+            if unknown:
+                raise ValueError(f"sample {b}: atomic number(s) {unknown} have no element here; "
+                                 f"known: {sorted(SYMBOL_OF)}")
+            result = dft_energy_forces([SYMBOL_OF[int(k)] for k in z[real]], xyz[real], cfg)
+            energy[b], forces[b, real] = result.energy_hartree, result.forces_hartree_per_angstrom
+        return {"energy": energy, "forces": forces}
+
+    def distribution_check(self, cfg: ChemConfig, run_dir: Path):
+        """The run's training envelope (``ood.json``, :mod:`converge.validate.ood`), if it has one."""
+        from ...validate.ood import ENVELOPE_FILE, load_envelope
+
+        if not (Path(run_dir) / ENVELOPE_FILE).is_file():
+            return None
+        return partial(outside_envelope, load_envelope(run_dir))
 
     def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
         from .calculator import predict_file

@@ -115,6 +115,14 @@ class GWApp(App):
         logit = model(inputs["strain"]).float()
         return {"logit": logit, "probability": torch.sigmoid(logit)}
 
+    uncertainty_label = "signal probability spread"
+
+    def uncertainty(self, cfg: GWConfig, inputs: Mapping[str, np.ndarray], mean: Mapping[str, np.ndarray],
+                    std: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The members' std of the signal probability, (B,). No ``simulate_inputs``: a window's
+        matched-filter SNR is not the logit the surrogate serves, so gw cannot fall back to it."""
+        return np.asarray(std["probability"], dtype=np.float64)
+
     def summary(self, report: dict) -> dict:
         keep = {}
         for method in ("cnn", "matched_filter"):
