@@ -224,6 +224,7 @@ def train_cmd(
         try:
             record = train_ensemble(application, app_cfg, cfg, arrays, out, members=ensemble, progress=True,
                                     extra_config=extra)
+            application.record_training_distribution(app_cfg, arrays, out)
         except (CheckpointError, ConfigError, EnsembleError, ValueError) as err:
             _fail(str(err))
         console.print(f"ensemble of {ensemble} members in {out}: {json.dumps(record.get('members', ''))[:200]}")
@@ -232,6 +233,8 @@ def train_cmd(
         result = train(application, app_cfg, cfg, arrays, out, resume=resume, extra_config=extra, follow=follower)
     except (CheckpointError, ConfigError) as err:
         _fail(str(err))
+    if main_rank:  # what serving checks inputs against (chem: ood.json); a followed dataset: what it had
+        application.record_training_distribution(app_cfg, follower.store.load() if follower else arrays, out)
     if main_rank:
         console.print(f"best {application.monitor.name} {result.best_value:.4f} at epoch {result.best_epoch + 1}; "
                       f"{result.samples_seen} samples seen in {result.seconds:.0f} s"

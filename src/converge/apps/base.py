@@ -171,6 +171,9 @@ class App(ABC):
         """
         raise NotImplementedError(f"app {self.name!r} cannot simulate served inputs")
 
+    def record_training_distribution(self, cfg: Any, arrays: Mapping[str, np.ndarray], run_dir: Path) -> None:
+        """Store what the training inputs covered, for :meth:`distribution_check` (default: nothing)."""
+
     def distribution_check(self, cfg: Any, run_dir: Path) -> Callable[[Mapping[str, np.ndarray]], list[list[str]]] | None:
         """A check of served inputs against the run's training data, or None if the run records none.
 

@@ -193,6 +193,12 @@ class ChemApp(App):
             energy[b], forces[b, real] = result.energy_hartree, result.forces_hartree_per_angstrom
         return {"energy": energy, "forces": forces}
 
+    def record_training_distribution(self, cfg: ChemConfig, arrays: Mapping[str, np.ndarray], run_dir: Path) -> None:
+        """``run_dir/ood.json``: elements, closest pair distances and neighbour counts of the training conformers."""
+        from ...validate.ood import fit_envelope, save_envelope
+
+        save_envelope(run_dir, fit_envelope(arrays["species"], arrays["coordinates"]))
+
     def distribution_check(self, cfg: ChemConfig, run_dir: Path):
         """The run's training envelope (``ood.json``, :mod:`converge.validate.ood`), if it has one."""
         from ...validate.ood import ENVELOPE_FILE, load_envelope
