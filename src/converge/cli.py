@@ -423,6 +423,9 @@ def learn_cmd(
     seed: int = typer.Option(0, help="Seed of pools, initial and test sets (shared by both strategies)."),
     epochs: int = typer.Option(300, help="Training epochs per member per round."),
     batch_size: int = typer.Option(8, help="Training batch size."),
+    from_queue: Optional[Path] = typer.Option(None, "--from-queue", help="Instead: turn the simulator answers "
+                                              "`converge serve --fallback-queue DIR` kept into a dataset at "
+                                              "--out, for `converge train --data`."),
     config: Optional[Path] = ConfigOpt,
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
@@ -438,6 +441,17 @@ def learn_cmd(
     from .validate.active import compare_strategies, run_active_learning
 
     _threads()
+    if from_queue is not None:
+        from .apps.base import load_app as _load_app
+        from .validate.queue import QueueError, queue_to_dataset
+
+        try:
+            store = queue_to_dataset(_load_app(app), from_queue, out)
+        except (QueueError, KeyError, StoreError) as err:
+            _fail(str(err).strip("'\""))
+        console.print(f"{len(store)} queued simulator answers stored in {out}; train on them with "
+                      f"`converge train {app} --data {out}`")
+        return
     if strategy not in ("qbc", "random", "both"):
         _fail(f"--strategy {strategy!r}: choose qbc, random or both")
     try:

@@ -114,6 +114,19 @@ def test_uncertain_samples_are_answered_by_dft_and_queued(ensemble, tmp_path):
         assert all("energy spread per atom" in r for r in q["reasons"])
         meta = json.loads(str(q["meta"]))
     assert meta["model"] == "water" and meta["app"] == "chem" and meta["app_config"]["basis"] == "sto-3g"
+    # `converge learn --from-queue`: the queued answers become an ordinary dataset to train on
+    from converge.data.store import ShardStore
+    from converge.validate.queue import QueueError, queue_to_dataset
+
+    store = queue_to_dataset(ChemApp(), tmp_path / "queue", tmp_path / "from-queue")
+    again = ShardStore.open(tmp_path / "from-queue").load()
+    assert len(store) == 2 and store.verify() == [] and "fallback_queue" in store.manifest["simulate"]["origin"]
+    np.testing.assert_allclose(again["energy"], energy, rtol=0, atol=1e-8)
+    np.testing.assert_allclose(again["coordinates"], coords, rtol=0, atol=1e-6)
+    with pytest.raises(QueueError, match="exists"):
+        queue_to_dataset(ChemApp(), tmp_path / "queue", tmp_path / "from-queue")
+    with pytest.raises(QueueError, match="no queued samples"):
+        queue_to_dataset(ChemApp(), tmp_path / "nothing", tmp_path / "other")
 
 
 def test_only_the_uncertain_sample_of_a_request_falls_back(ensemble):
