@@ -274,6 +274,13 @@ def worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def ddp_summary(ddp: dict) -> dict:
+    """Top-level views by model: samples/s by process count and the exposed all-reduce share of a step."""
+    models = ddp["models"]
+    return {"samples_per_s": {name: m["samples_per_s"] for name, m in models.items()},
+            "allreduce_share": {name: m["allreduce_share"]["exposed"] for name, m in models.items()}}
+
+
 def run_stage(opts: dict, stage: str, tmp: str) -> dict:
     """Run one stage in 2 fresh Gloo processes and return rank 0's result.
 
@@ -453,6 +460,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"measuring {', '.join(opts['models'])} in 2 Gloo processes ...", flush=True)
         ddp = {**run_stage(opts, "models", tmp), **run_stage(opts, "allreduce", tmp)}
+    ddp.update(ddp_summary(ddp))
     ddp["host"] = {"cpus": os.cpu_count(), "threads_per_process": 1, "torch": torch.__version__,
                    "load_average_1min": os.getloadavg()[0]}
     given = parse_gpu_steps(args.gpu_step_ms)
