@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperatures", default="", help="pool and test temperatures in K, e.g. 300,600,1200 "
+                    "(default: T and 2T of the app config, 300 and 600)")
     ap.add_argument("--ood-temperature", type=float, default=1800.0)
     ap.add_argument("--unseen-molecule", default="ethanol")
     ap.add_argument("--n-ood", type=int, default=64)
@@ -104,12 +106,13 @@ def main() -> None:
     app, cfg = ChemApp(), ChemConfig(molecule=args.molecule, level="fast")
     train_cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.epochs,
                             precision="fp32")
+    temperatures = tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else None
+    problem = ChemLearning(app, cfg, temperatures=temperatures)
     t0 = time.perf_counter()
     curves = compare_strategies(app, cfg, args.out, initial=args.initial, budget=args.budget, rounds=args.rounds,
                                 pool_size=args.pool, seed=args.seed, members=args.members, n_test=args.test,
-                                train_cfg=train_cfg, progress=False)
+                                train_cfg=train_cfg, progress=False, problem=problem)
     learn_s = time.perf_counter() - t0
-    problem = ChemLearning(app, cfg)
     final = {label: round_dir(args.out / label, args.rounds) / "ensemble" for label in ("active", "random")}
     test = ShardStore.open(args.out / "test").load(["species", "coordinates"])
     ood = out_of_distribution(app, cfg, final["active"], test, args)
