@@ -98,6 +98,17 @@ def read_toml(path: str | Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
 
 
+def parse_positive_ints(text: str, example: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4), or a ValueError that shows ``example`` as the fix."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{text!r}: give comma-separated whole numbers, e.g. {example}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{text!r}: give one or more numbers >= 1, e.g. {example}")
+    return values
+
+
 def parse_overrides(items: list[str] | None) -> dict[str, dict[str, Any]]:
     """``["train.lr=1e-3", ...]`` -> ``{"train": {"lr": "1e-3"}}`` (coerced later)."""
     out: dict[str, dict[str, Any]] = {}

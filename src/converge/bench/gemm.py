@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..config import parse_positive_ints
 from .artifacts import pyplot, save_figure, write_json
 from .machine import Clock, cpu_clock, describe_machine, read_cpuinfo
 from .peaks import PRECISIONS, cpu_peaks, gpu_peaks
@@ -303,13 +304,7 @@ def write_results(result: dict[str, Any], out_dir: str | Path, stem: str = "gemm
 
 def parse_sizes(text: str) -> tuple[int, ...]:
     """``"512,1024"`` -> (512, 1024), with a clear error otherwise."""
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"{text!r}: give comma-separated whole numbers, e.g. 512,1024,2048") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"{text!r}: give one or more sizes >= 1, e.g. 512,1024,2048")
-    return sizes
+    return parse_positive_ints(text, "512,1024,2048")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..config import parse_positive_ints
 from .loadgen import InferTarget, LoadProcess
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -83,13 +84,7 @@ class ServeBenchConfig:
 
 def parse_counts(text: str) -> tuple[int, ...]:
     """``"1,2,4"`` -> (1, 2, 4); a clear error for anything else."""
-    try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"{text!r}: give comma-separated whole numbers, e.g. 1,2,4,8") from None
-    if not counts or min(counts) < 1:
-        raise ValueError(f"{text!r}: give one or more numbers >= 1, e.g. 1,2,4,8")
-    return counts
+    return parse_positive_ints(text, "1,2,4,8")
 
 
 # -- inputs ----------------------------------------------------------------------------------------------------------

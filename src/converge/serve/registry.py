@@ -27,7 +27,7 @@ from torch import nn
 from ..apps.base import App, TensorSpec, load_app
 from ..train.checkpoint import load_checkpoint
 from ..train.loop import PRECISIONS, autocast_context, load_model, resolve_device
-from ..validate.ensemble import ENSEMBLE_FILE, EnsembleError, load_ensemble, reduce_members
+from ..validate.ensemble import ENSEMBLE_FILE, EnsembleError, load_ensemble
 from .protocol import DATATYPES
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -141,17 +141,10 @@ def run_config(run_dir: Path, which: str = "best") -> dict:
     return load_checkpoint(run_dir / f"{which}.pt")["config"]
 
 
-def load_served_model(run_dir: Path | str, name: str | None = None, version: str = "1", which: str = "best",
-                      device: str = "cpu") -> ServedModel:
-    """The trained model of ``run_dir`` ready to serve; its name defaults to the folder's name."""
+def served_app(run_dir: Path, config: Mapping[str, Any]) -> tuple[App, Any, list[TensorSpec], list[TensorSpec]]:
+    """The app a run's ``config`` (``app``, ``app_config``) names, its config and its serving signature."""
     from ..config import from_dict
 
-    run_dir = Path(run_dir)
-    if (run_dir / ENSEMBLE_FILE).is_file():
-        return load_served_ensemble(run_dir, name, version, which, device)
-    config = run_config(run_dir, which)
-    if "app" not in config or "app_config" not in config:
-        raise ModelLoadError(f"{run_dir}: config has no 'app'/'app_config'; is it a `converge train` run?")
     try:
         app = load_app(config["app"])
     except KeyError as err:
@@ -161,11 +154,29 @@ def load_served_model(run_dir: Path | str, name: str | None = None, version: str
         inputs, outputs = app.serving_signature(app_cfg)
     except NotImplementedError as err:
         raise ModelLoadError(f"{run_dir}: {err}") from None
+    return app, app_cfg, list(inputs), list(outputs)
+
+
+def served_precision(app: App, config: Mapping[str, Any]) -> str:
+    """The precision a run trained in (``auto``: the app's default), which it is served in."""
+    precision = config.get("train", {}).get("precision", app.default_precision)
+    return app.default_precision if precision == "auto" else precision
+
+
+def load_served_model(run_dir: Path | str, name: str | None = None, version: str = "1", which: str = "best",
+                      device: str = "cpu") -> ServedModel:
+    """The trained model of ``run_dir`` ready to serve; its name defaults to the folder's name."""
+    run_dir = Path(run_dir)
+    if (run_dir / ENSEMBLE_FILE).is_file():
+        return load_served_ensemble(run_dir, name, version, which, device)
+    config = run_config(run_dir, which)
+    if "app" not in config or "app_config" not in config:
+        raise ModelLoadError(f"{run_dir}: config has no 'app'/'app_config'; is it a `converge train` run?")
+    app, app_cfg, inputs, outputs = served_app(run_dir, config)
     if not (run_dir / f"{which}.pt").is_file():
         raise ModelLoadError(f"{run_dir}: no {which}.pt checkpoint; has training finished an epoch?")
     model, config = load_model(app, run_dir, which, str(resolve_device(device)))
-    precision = config.get("train", {}).get("precision", app.default_precision)
-    precision = app.default_precision if precision == "auto" else precision
+    precision = served_precision(app, config)
     return ServedModel(check_model_name(name or run_dir.resolve().name), model, list(inputs), list(outputs),
                        app.serve_predict, version=version, precision=precision, platform=f"converge-{app.name}",
                        app=app.name, loader=partial(load_served_model, str(run_dir), name, version, which, device),
@@ -179,29 +190,21 @@ def std_name(output: str) -> str:
 
 def predict_ensemble(app: App, ensemble: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each served output's mean over the members under its name, and its std as ``<name>_std``."""
-    prediction = reduce_members([app.serve_predict(member, inputs) for member in ensemble.members])
+    prediction = ensemble.reduce(inputs)  # in the server's grad mode: chem's forces need autograd
     return {**prediction.mean, **{std_name(k): v for k, v in prediction.std.items()}}
 
 
 def load_served_ensemble(run_dir: Path, name: str | None = None, version: str = "1", which: str = "best",
                          device: str = "cpu") -> ServedModel:
     """An ensemble run (``ensemble.json``) served as one model: outputs' means plus ``<name>_std`` spreads."""
-    from ..config import from_dict
-
     record = json.loads((run_dir / ENSEMBLE_FILE).read_text())
+    app, app_cfg, inputs, outputs = served_app(run_dir, record)
     try:
-        app = load_app(record["app"])
-    except KeyError as err:
-        raise ModelLoadError(f"{run_dir}: {err.args[0]}") from None
-    app_cfg = from_dict(app.config_cls, record["app_config"], "app")
-    try:
-        inputs, outputs = app.serving_signature(app_cfg)
         ensemble = load_ensemble(app, run_dir, which, str(resolve_device(device)))
-    except (NotImplementedError, EnsembleError, FileNotFoundError) as err:
+    except (EnsembleError, FileNotFoundError) as err:
         raise ModelLoadError(f"{run_dir}: {err}") from None
     spreads = [TensorSpec(std_name(s.name), s.datatype, s.shape) for s in outputs]
-    precision = record.get("train", {}).get("precision", app.default_precision)
-    precision = app.default_precision if precision == "auto" else precision
+    precision = served_precision(app, record)
     return ServedModel(check_model_name(name or run_dir.resolve().name), ensemble, list(inputs), [*outputs, *spreads],
                        partial(predict_ensemble, app), version=version, precision=precision,
                        platform=f"converge-{app.name}-ensemble", app=app.name,

@@ -124,8 +124,12 @@ class EnsembleModel(nn.Module):
         for start in range(0, n, batch_size):
             chunk = {k: v[start : start + batch_size] for k, v in tensors.items()}
             with torch.inference_mode():
-                parts.append(reduce_members([self.app.serve_predict(m.eval(), chunk) for m in self.members]))
+                parts.append(self.reduce(chunk))
         return parts[0] if len(parts) == 1 else concat_predictions(parts)
+
+    def reduce(self, inputs: Mapping[str, torch.Tensor]) -> EnsemblePrediction:
+        """Mean and spread of every member's ``app.serve_predict`` on one batch, in the caller's grad mode."""
+        return reduce_members([self.app.serve_predict(m.eval(), inputs) for m in self.members])
 
     def predict_forward(self, batch: Mapping[str, torch.Tensor],
                         transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> EnsemblePrediction:
