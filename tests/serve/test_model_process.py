@@ -1,15 +1,16 @@
-"""BatchConfig.model_process: batches run by a model worker process (converge.serve.worker)."""
+"""BatchConfig.model_process: the queue, the batching and the model in a process of their own (serve.worker)."""
 import functools
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from converge.serve import BatchConfig, ServerSettings, create_app
-from converge.serve.batcher import BatchFailed, Batcher
-from converge.serve.worker import ModelProcess, ModelProcessDied, ModelProcessError
+from converge.serve.batcher import BatchFailed, ShuttingDown
+from converge.serve.worker import ModelProcessError, ProcessBatcher
 
 CRASH = -999.0  # a sample starting with this kills the worker process mid-batch
 
@@ -35,6 +36,8 @@ MODELS = textwrap.dedent("""
         def forward(self, x):
             if float(x[0, 0]) == -999.0:
                 os._exit(3)
+            if float(x[0, 0]) == -2.0:
+                time.sleep(0.5)  # a slow batch: what arrives meanwhile queues in the child
             if float(x[0, 0]) == -1.0:
                 raise ValueError("no negative ones")
             y = torch.tanh(self.linear(x))
@@ -45,7 +48,7 @@ MODELS = textwrap.dedent("""
         if fail:
             raise RuntimeError("cannot load this one")
         return ServedModel.from_module(name, Crashy(), INPUTS, OUTPUTS, loader=functools.partial(make, name))
-""").replace("import os\n", "import functools\nimport os\n", 1)
+""").replace("import os\n", "import functools\nimport os\nimport time\n", 1)
 
 
 @pytest.fixture
@@ -66,75 +69,80 @@ def batch(n=5, first=0.5):
 
 def test_results_are_identical_to_in_process(models):
     model = models.make()
-    with ModelProcess(model.loader, model.name) as worker:
+    with ProcessBatcher(model.loader, BatchConfig(max_batch_size=8), model.name) as b:
         for n in (1, 3, 8):
             x = {"x": batch(n)}
-            here, there = model.predict(x), worker.predict(x)
+            here, there = model.predict(x), b.infer(x)
             assert set(here) == set(there) == {"y", "total"}
             for k in here:
                 assert here[k].dtype == there[k].dtype
                 np.testing.assert_array_equal(here[k], there[k])
-    assert not worker.alive
+    assert not b.alive
 
 
-def test_a_dead_worker_fails_its_batch_clearly_and_is_restarted(models):
+def test_requests_queued_while_the_model_is_busy_run_as_one_batch_split_back_in_order(models):
+    model, records = models.make(), []
+    with ProcessBatcher(model.loader, BatchConfig(max_batch_size=8), model.name, on_batch=records.append) as b:
+        slow = b.submit({"x": batch(1, first=-2.0)})
+        time.sleep(0.2)  # the child is inside the slow batch
+        xs = [batch(2, first=i) for i in range(3)]
+        futures = [b.submit({"x": x}) for x in xs]
+        slow.result(10)
+        for x, f in zip(xs, futures):
+            np.testing.assert_array_equal(f.result(10)["y"], model.predict({"x": x})["y"])
+    assert [(r.samples, r.requests) for r in records] == [(1, 1), (6, 3)]
+    assert all(q >= 0 for r in records for q in r.queue_s)
+
+
+def test_a_dead_child_fails_only_its_batch_and_is_restarted(models):
     model = models.make()
-    with ModelProcess(model.loader, model.name) as worker:
-        first = worker.pid
-        with pytest.raises(ModelProcessDied, match=r"'crashy'.*worker process died \(exit code 3\)"):
-            worker.predict({"x": batch(4, first=CRASH)})
-        assert not worker.alive
-        out = worker.predict({"x": batch(4)})  # the next batch restarts it
-        np.testing.assert_array_equal(out["y"], model.predict({"x": batch(4)})["y"])
-        assert worker.alive and worker.pid != first and worker.restarts == 1
+    with ProcessBatcher(model.loader, BatchConfig(max_batch_size=2), model.name) as b:
+        first = b.pid
+        crash = b.submit({"x": batch(2, first=CRASH)})
+        queued = b.submit({"x": batch(2)})  # held by the child behind the crashing batch: must not be lost
+        with pytest.raises(BatchFailed, match=r"'crashy'.*worker process died \(exit code 3\)"):
+            crash.result(60)
+        np.testing.assert_array_equal(queued.result(60)["y"], model.predict({"x": batch(2)})["y"])
+        assert b.alive and b.pid != first and b.restarts == 1 and b.queued_samples == 0
 
 
-def test_model_errors_come_back_and_the_worker_lives_on(models):
+def test_model_errors_fail_their_batch_and_the_child_lives_on(models):
     model = models.make()
-    with ModelProcess(model.loader, model.name) as worker:
-        pid = worker.pid
-        with pytest.raises(RuntimeError, match="ValueError: no negative ones"):
-            worker.predict({"x": batch(2, first=-1.0)})
-        assert worker.alive and worker.pid == pid and worker.restarts == 0
-        worker.predict({"x": batch(2)})
+    with ProcessBatcher(model.loader, BatchConfig(), model.name) as b:
+        pid = b.pid
+        with pytest.raises(BatchFailed, match="ValueError: no negative ones"):
+            b.infer({"x": batch(2, first=-1.0)})
+        assert b.alive and b.pid == pid and b.restarts == 0
+        b.infer({"x": batch(2)})
 
 
 def test_a_model_that_cannot_load_is_a_clear_error(models):
-    worker = ModelProcess(functools.partial(models.make, fail=True), "broken")
+    b = ProcessBatcher(functools.partial(models.make, fail=True), BatchConfig(), "broken", start=False)
     with pytest.raises(ModelProcessError, match="could not load the model: RuntimeError: cannot load this one"):
-        worker.start()
-    assert not worker.alive
-    worker.close()
+        b.start()
+    assert not b.alive and not b.running
+    b.close()
 
 
-def test_batcher_with_a_worker_batches_and_recovers(models):
+def test_close_answers_everything_queued_then_refuses(models):
     model = models.make()
-    with ModelProcess(model.loader, model.name) as worker:
-        b = Batcher(worker.predict, BatchConfig(max_batch_size=8), "crashy", start=False)
-        xs = [batch(2, first=i) for i in range(3)]
-        futures = [b.submit({"x": x}) for x in xs]
-        assert b.step() == 6  # one batch, split back in order
-        for x, f in zip(xs, futures):
-            np.testing.assert_array_equal(f.result(0)["y"], model.predict({"x": x})["y"])
-        bad, good = b.submit({"x": batch(1, first=CRASH)}), b.submit({"x": batch(1)})
-        b.step()
-        for f in (bad, good):  # the whole in-flight batch fails, with the reason
-            with pytest.raises(BatchFailed, match="ModelProcessDied: model 'crashy': its worker process died"):
-                f.result(0)
-        again = b.submit({"x": batch(1)})
-        b.step()
-        np.testing.assert_array_equal(again.result(0)["y"], model.predict({"x": batch(1)})["y"])
-        b.close()
+    b = ProcessBatcher(model.loader, BatchConfig(max_batch_size=4), model.name)
+    futures = [b.submit({"x": batch(1, first=-2.0 if i == 0 else i)}) for i in range(9)]
+    b.close()
+    assert all(f.result(0)["y"].shape == (1, 3) for f in futures)
+    assert not b.alive
+    with pytest.raises(ShuttingDown):
+        b.submit({"x": batch(1)})
 
 
-def test_app_serves_through_worker_processes_and_stops_them(models):
+def test_app_serves_through_model_processes_and_stops_them(models):
     model = models.make()
     app = create_app({"crashy": model}, ServerSettings(BatchConfig(max_batch_size=8, model_process=True)))
     x = batch(3)
     doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 4], "data": x.reshape(-1).tolist()}]}
     with TestClient(app) as c:
-        worker = app.state.workers["crashy"]
-        assert worker.alive
+        b = app.state.batchers["crashy"]
+        assert isinstance(b, ProcessBatcher) and b.alive
         r = c.post("/v2/models/crashy/infer", json=doc)
         assert r.status_code == 200, r.text
         y = next(o for o in r.json()["outputs"] if o["name"] == "y")
@@ -143,21 +151,10 @@ def test_app_serves_through_worker_processes_and_stops_them(models):
         r = c.post("/v2/models/crashy/infer", json=crash)
         assert r.status_code == 500 and "worker process died" in r.json()["error"]
         assert c.post("/v2/models/crashy/infer", json=doc).status_code == 200
-    assert not worker.alive  # shutdown stopped it
+        assert 'converge_inference_executions_total{model="crashy"} 3.0' in c.get("/metrics").text
+    assert not b.alive  # shutdown stopped it
 
 
 def test_models_without_a_loader_stay_in_process(known):
     app = create_app({"linear": known.model()}, ServerSettings(BatchConfig(model_process=True)))
-    assert app.state.workers == {}
-
-
-def test_small_batches_stay_in_process():
-    from converge.serve.app import split_predict
-
-    calls = []
-    predict = split_predict(lambda x: calls.append("local"), lambda x: calls.append("remote"), 2)
-    predict({"x": np.zeros((1, 4))})
-    predict({"x": np.zeros((2, 4))})
-    assert calls == ["local", "remote"]
-    with pytest.raises(ValueError, match="model_process_min_batch=0"):
-        BatchConfig(model_process_min_batch=0)
+    assert not isinstance(app.state.batchers["linear"], ProcessBatcher)

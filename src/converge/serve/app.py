@@ -16,6 +16,7 @@ event loop (``Batcher.infer_async``), never a thread per request.
 """
 from __future__ import annotations
 
+import gc
 import hmac
 import json
 import logging
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import anyio
+import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -33,12 +35,12 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from .batcher import BatchConfig, Batcher, BatchFailed, QueueFull, RequestTimeout, ShuttingDown
+from .batcher import BatchConfig, Batcher, BatchFailed, QueueFull, RequestQueue, RequestTimeout, ShuttingDown
 from .fallback import SOURCE, FallbackFailed, FallbackTimeout, TrustConfig, TrustGate, Untrusted
 from .metrics import ServerMetrics
 from .protocol import HEADER_LENGTH, ValidationError, encode_infer_response, parse_infer_request
 from .registry import ServedModel
-from .worker import ModelProcess
+from .worker import ProcessBatcher
 
 access_log = logging.getLogger("converge.serve.access")
 HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode("latin-1")  # as ASGI spells header names
@@ -198,7 +200,7 @@ class InferEndpoint:
     JSON error here, and the answer goes out as two ASGI messages.
     """
 
-    def __init__(self, models: Mapping[str, ServedModel], batchers: Mapping[str, Batcher], settings: ServerSettings,
+    def __init__(self, models: Mapping[str, ServedModel], batchers: Mapping[str, RequestQueue], settings: ServerSettings,
                  metrics: ServerMetrics, gates: Mapping[str, TrustGate] | None = None) -> None:
         self.models, self.batchers, self.settings, self.metrics = models, batchers, settings, metrics
         self.gates = dict(gates or {})
@@ -257,13 +259,13 @@ class ServingApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def split_predict(local, remote, min_batch: int):
-    """``remote`` for batches of ``min_batch`` samples or more, ``local`` for smaller ones."""
-    def predict(inputs):
-        n = len(next(iter(inputs.values())))
-        return (remote if n >= min_batch else local)(inputs)
-
-    return predict
+def model_batcher(model: ServedModel, config: BatchConfig, metrics: ServerMetrics) -> RequestQueue:
+    """A model's batcher, not yet started: in a process of its own with ``config.model_process`` and a loader
+    (models built in memory have none), else a thread of this process."""
+    if config.model_process and model.loader is not None:
+        return ProcessBatcher(model.loader, config, model.name, on_batch=metrics.batch_observer(model.name),
+                              start=False, threads=torch.get_num_threads())
+    return Batcher(model.predict, config, model.name, on_batch=metrics.batch_observer(model.name), start=False)
 
 
 def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = ServerSettings()) -> ServingApp:
@@ -279,35 +281,29 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
             gates[name] = gate
     models = {name: replace(m, server_outputs=(*m.server_outputs, SOURCE)) if name in gates else m
               for name, m in models.items()}
-    # with model_process, each model loaded from a run runs its batches in a worker process of its own
-    workers = {name: ModelProcess(m.loader, name) for name, m in models.items()
-               if settings.batch.model_process and m.loader is not None}
-    batchers = {name: Batcher(split_predict(m.predict, workers[name].predict, settings.batch.model_process_min_batch)
-                              if name in workers else m.predict, settings.batch, name,
-                              on_batch=metrics.batch_observer(name), start=False)
-                for name, m in models.items()}
+    batchers = {name: model_batcher(m, settings.batch, metrics) for name, m in models.items()}
     for name, b in batchers.items():
         metrics.queued.labels(name).set_function(lambda b=b: b.queued_samples)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
-            for w in workers.values():
-                await anyio.to_thread.run_sync(w.start)
-            for b in batchers.values():
-                b.start()
+            for b in batchers.values():  # a model process loads its model here: seconds
+                await anyio.to_thread.run_sync(b.start)
+            # the heap built so far (torch, the model, the app) stays out of the cyclic collector's scans: a full
+            # collection of it stalled every request in flight for tens of milliseconds, the p99 under load
+            gc.collect()
+            gc.freeze()
             yield
-        finally:  # finish what is queued, then stop the workers
+        finally:  # finish what is queued
             for b in batchers.values():
                 await anyio.to_thread.run_sync(b.close)
-            for w in workers.values():
-                await anyio.to_thread.run_sync(w.close)
             for g in gates.values():
                 g.close()
 
     app = ServingApp(title="converge", version=__version__, lifespan=lifespan, openapi_url=None)
     app.state.models, app.state.batchers, app.state.metrics = models, batchers, metrics
-    app.state.workers, app.state.gates = workers, gates
+    app.state.gates = gates
 
     async def as_json_error(request: Request, err: Exception) -> JSONResponse:
         return error_response(err)

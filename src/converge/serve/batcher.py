@@ -54,11 +54,8 @@ class BatchConfig:
     max_queue_delay_us: int = 0  # 0: run whatever is queued as soon as the model is free
     max_queue_size: int = 1024  # samples waiting; more -> QueueFull
     timeout_s: float = 30.0  # per request, queue plus compute
-    # run each model's batches in its own worker process (see converge.serve.worker), off the event loop's GIL
+    # queue, batch and run each model in a process of its own (converge.serve.worker), clear of the event loop's GIL
     model_process: bool = False
-    # with model_process: batches of fewer samples run in the server process (a pipe round trip costs more
-    # than the GIL contention they cause); 1 sends every batch to the worker
-    model_process_min_batch: int = 2
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -67,8 +64,6 @@ class BatchConfig:
             raise ValueError(f"max_queue_delay_us={self.max_queue_delay_us}: must be >= 0 (0 = no waiting)")
         if self.max_queue_size < self.max_batch_size:
             raise ValueError(f"max_queue_size={self.max_queue_size}: must be >= max_batch_size={self.max_batch_size}")
-        if self.model_process_min_batch < 1:
-            raise ValueError(f"model_process_min_batch={self.model_process_min_batch}: must be >= 1")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s}: must be > 0 seconds")
 
@@ -85,8 +80,12 @@ class Pending:
 
     @cached_property
     def shape_key(self) -> Hashable:
-        """Requests batch together only when their non-batch shapes agree."""
-        return tuple((k, v.shape[1:]) for k, v in self.inputs.items())
+        return shape_key(self.inputs)
+
+
+def shape_key(inputs: Mapping[str, np.ndarray]) -> Hashable:
+    """Requests batch together only when their inputs' non-batch shapes agree."""
+    return tuple((k, v.shape[1:]) for k, v in inputs.items())
 
 
 @dataclass(frozen=True)
@@ -121,8 +120,8 @@ def collect_batch(queue: Sequence[Pending], now: float, max_batch_size: int, max
     return 0, wait
 
 
-def run_batch(predict: Predict, batch: Sequence[Pending]) -> list[dict[str, np.ndarray]]:
-    """Concatenate the requests' inputs, call ``predict`` once, split the outputs back in order."""
+def predict_batch(predict: Predict, batch: Sequence[Pending]) -> dict[str, np.ndarray]:
+    """Concatenate the requests' inputs and call ``predict`` once; every output must have a row per sample."""
     names = batch[0].inputs.keys()
     inputs = {k: np.concatenate([p.inputs[k] for p in batch]) if len(batch) > 1 else batch[0].inputs[k]
               for k in names}
@@ -131,8 +130,18 @@ def run_batch(predict: Predict, batch: Sequence[Pending]) -> list[dict[str, np.n
     for name, out in outputs.items():
         if len(out) != total:
             raise BatchFailed(f"model output {name!r} has {len(out)} rows for a batch of {total} samples")
-    bounds = np.cumsum([0] + [p.n for p in batch])
+    return outputs
+
+
+def split_outputs(outputs: Mapping[str, np.ndarray], counts: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """The batch's outputs cut back into one dict per request of ``counts[i]`` samples, in order."""
+    bounds = np.cumsum([0, *counts])
     return [{k: v[a:b] for k, v in outputs.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def run_batch(predict: Predict, batch: Sequence[Pending]) -> list[dict[str, np.ndarray]]:
+    """Concatenate the requests' inputs, call ``predict`` once, split the outputs back in order."""
+    return split_outputs(predict_batch(predict, batch), [p.n for p in batch])
 
 
 def settle_waiters(batch: Sequence[Pending]) -> None:
@@ -161,59 +170,43 @@ def hand_over(batch: Sequence[Pending]) -> None:
             pass
 
 
-class Batcher:
-    """A queue of requests and one worker thread that runs them through ``predict`` in batches.
+class RequestQueue:
+    """What a server sees of a batcher: ``submit``, ``infer``, ``infer_async``; subclasses queue and run.
 
     ``submit`` returns a ``concurrent.futures.Future`` of the request's outputs;
     ``infer`` waits for it and ``infer_async`` awaits it on an event loop.
-    ``close`` stops taking requests, finishes the queued ones and joins the worker.
+    A subclass implements ``_enqueue`` (queue a :class:`Pending` or raise
+    :class:`QueueFull` / :class:`ShuttingDown`), ``start``, ``close``,
+    ``running`` and keep ``_queued_samples``.
     """
 
-    def __init__(self, predict: Predict, config: BatchConfig = BatchConfig(), name: str = "model",
-                 clock: Callable[[], float] = time.monotonic, on_batch: Callable[[BatchRecord], None] | None = None,
-                 start: bool = True) -> None:
-        self.predict, self.config, self.name, self.clock, self.on_batch = predict, config, name, clock, on_batch
-        self._queue: deque[Pending] = deque()
-        self._queued_samples = 0
-        self._cond = threading.Condition()
-        self._closing = False
-        self._thread: threading.Thread | None = None
-        if start:
-            self.start()
+    config: BatchConfig
+    name: str
+    clock: Callable[[], float]
+    _queued_samples: int
 
     @property
     def queued_samples(self) -> int:
+        """Samples taken and not yet answered (what ``max_queue_size`` bounds)."""
         return self._queued_samples
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._closing
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=f"batcher-{self.name}", daemon=True)
-            self._thread.start()
-
-    def submit(self, inputs: Mapping[str, np.ndarray]) -> Future:
-        """Queue one request (every input has the same first axis, n >= 1 samples)."""
-        return self._enqueue(inputs).future
-
-    def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
+    def _pending(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None) -> Pending:
         n = len(next(iter(inputs.values())))
         if n > self.config.max_batch_size:
             raise ValueError(f"a request of {n} samples exceeds max_batch_size={self.config.max_batch_size}; "
                              "split it")
-        pending = Pending(inputs, n, self.clock(), waiter=waiter)
-        with self._cond:
-            if self._closing:
-                raise ShuttingDown(f"model {self.name!r} is shutting down")
-            if self._queued_samples + n > self.config.max_queue_size:
-                raise QueueFull(f"model {self.name!r}: queue full ({self._queued_samples} of "
-                                f"{self.config.max_queue_size} samples waiting); retry later")
-            self._queue.append(pending)
-            self._queued_samples += n
-            self._cond.notify()
-        return pending
+        return Pending(inputs, n, self.clock(), waiter=waiter)
+
+    def _queue_full(self, queued: int) -> QueueFull:
+        return QueueFull(f"model {self.name!r}: queue full ({queued} of {self.config.max_queue_size} samples "
+                         "waiting); retry later")
+
+    def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
+        raise NotImplementedError
+
+    def submit(self, inputs: Mapping[str, np.ndarray]) -> Future:
+        """Queue one request (every input has the same first axis, n >= 1 samples)."""
+        return self._enqueue(inputs).future
 
     def infer(self, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
         """Submit and wait (at most ``timeout``, default the config's) for the outputs."""
@@ -251,6 +244,48 @@ class Batcher:
             raise
         finally:
             timer.cancel()
+
+
+
+class Batcher(RequestQueue):
+    """A queue of requests and one worker thread that runs them through ``predict`` in batches.
+
+    ``close`` stops taking requests, finishes the queued ones and joins the worker.
+    """
+
+    def __init__(self, predict: Predict, config: BatchConfig = BatchConfig(), name: str = "model",
+                 clock: Callable[[], float] = time.monotonic, on_batch: Callable[[BatchRecord], None] | None = None,
+                 start: bool = True) -> None:
+        self.predict, self.config, self.name, self.clock, self.on_batch = predict, config, name, clock, on_batch
+        self._queue: deque[Pending] = deque()
+        self._queued_samples = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=f"batcher-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
+        pending = self._pending(inputs, waiter)
+        n = pending.n
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown(f"model {self.name!r} is shutting down")
+            if self._queued_samples + n > self.config.max_queue_size:
+                raise self._queue_full(self._queued_samples)
+            self._queue.append(pending)
+            self._queued_samples += n
+            self._cond.notify()
+        return pending
 
     def _take(self, count: int) -> list[Pending]:
         """Pop ``count`` requests; drop those cancelled by their caller or past their timeout."""

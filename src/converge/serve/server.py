@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import logging
-import os
 import sys
 import threading
 from collections import deque
@@ -150,23 +149,23 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
           max_queue_delay_us: int = 0, max_queue_size: int = 1024, token: str | None = None,
           insecure: bool = False, device: str = "cpu", timeout_s: float = 30.0,
           max_body_bytes: int = 64 * 2**20, log_level: str = "info", access_log: bool = True,
-          model_process: bool | None = None, trust: TrustConfig | None = None) -> None:
+          model_process: bool = True, trust: TrustConfig | None = None) -> None:
     """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues).
 
     ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, written by a
     background thread). It still costs the event loop ~20 us a request (up to ~10 % of throughput under
     load); turn it off where the Prometheus counters at /metrics are enough.
 
+    ``model_process``: each model in a process of its own with its queue (:mod:`converge.serve.worker`);
+    False: on a thread of the server, sharing its GIL.
+
     ``trust``: the uncertainty gate and simulator fallback (:mod:`converge.serve.fallback`).
     """
     import uvicorn
 
     check_bind(host, token, insecure)
-    if model_process is None:  # not given: $CONVERGE_SERVE_MODEL_PROCESS (1/0), else BatchConfig's default
-        env = os.environ.get("CONVERGE_SERVE_MODEL_PROCESS", "").strip().lower()
-        model_process = env in ("1", "true", "yes", "on") if env else BatchConfig.model_process
     batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s, model_process)
-    if model_process:  # the batcher thread takes the GIL twice a batch: let it have it sooner (default 5 ms)
+    if model_process:  # its request and result threads wait for the GIL after each pipe call: not 5 ms each
         sys.setswitchinterval(min(sys.getswitchinterval(), MODEL_PROCESS_SWITCH_INTERVAL_S))
     app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log, trust), device)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
