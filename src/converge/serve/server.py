@@ -75,7 +75,7 @@ def build_app(runs: Sequence[str | Path], settings: ServerSettings = ServerSetti
     return create_app(load_runs(runs, device), settings)
 
 
-MODEL_PROCESS_SWITCH_INTERVAL_S = 0.0005
+MODEL_PROCESS_SWITCH_INTERVAL_S = 0.0001
 
 
 def event_loop_and_parser() -> tuple[str, str]:
