@@ -319,3 +319,22 @@ def test_served_model_signatures_are_validated(kw, message):
 def test_client_refuses_a_malformed_response():
     with pytest.raises(ValidationError, match="malformed response from the server: 'outputs' must be a non-empty"):
         decode_infer_response(b'{"outputs": []}', None)
+
+
+class NotANumber(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1) * float("nan")
+
+
+def test_nan_outputs_come_as_binary_and_as_json_are_a_500_that_says_so():
+    model = ServedModel.from_module("nan", NotANumber(), [TensorSpec("x", "FP32", (-1, 2))],
+                                    [TensorSpec("y", "FP32", (-1,))])
+    with TestClient(create_app({"nan": model})) as c:
+        r = c.post("/v2/models/nan/infer", json=infer_json(np.ones((1, 2), np.float32)))
+        assert r.status_code == 500
+        assert r.json()["error"] == ("model 'nan': tensor 'y' holds NaN or infinity, which JSON cannot carry; "
+                                     "send it as binary data")
+        body, headers = encode_infer_request({"x": np.ones((1, 2), np.float32)}, binary=True)
+        r = c.post("/v2/models/nan/infer", content=body, headers=headers)
+        assert r.status_code == 200
+        assert np.isnan(decode_infer_response(r.content, r.headers[HEADER_LENGTH])["y"]).all()

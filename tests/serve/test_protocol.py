@@ -141,3 +141,20 @@ def test_datatype_of_refuses_what_the_protocol_cannot_carry():
     assert datatype_of(np.dtype(">f4")) == "FP32"
     with pytest.raises(ValidationError, match="complex128 has no Open Inference Protocol datatype"):
         datatype_of(np.dtype(np.complex128))
+
+
+def test_non_finite_outputs_go_as_binary_never_as_json_null():
+    arrays = {"y": np.array([1.0, np.nan], np.float32)}
+    with pytest.raises(ValueError, match="'y' holds NaN or infinity.*send it as binary"):
+        encode_infer_request(arrays, binary=False)
+    body, headers = encode_infer_request(arrays, binary=True)
+    head = json.loads(body[:int(headers[HEADER_LENGTH])])
+    assert head["inputs"][0]["parameters"] == {"binary_data_size": 8}
+
+
+def test_json_the_fast_parser_refuses_still_gets_its_precise_error():
+    doc = '{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, NaN]}]}'
+    with pytest.raises(ValidationError, match="input 'x': 1 values are NaN or infinite"):
+        parse_infer_request(doc.encode(), None, [TensorSpec("x", "FP32", (-1, 4))], [])
+    with pytest.raises(ValidationError, match="not valid JSON"):
+        parse_infer_request(b'{"inputs": [', None, [TensorSpec("x", "FP32", (-1, 4))], [])

@@ -226,8 +226,12 @@ class InferEndpoint:
         except tuple(ERRORS) as err:
             self.metrics.request_done(model.name, next(r for cls, (_, r) in ERRORS.items() if isinstance(err, cls)))
             return await error_response(err)(scope, receive, send)
+        try:
+            content, headers = encode_infer_response(model.name, model.version, parsed, results)
+        except ValueError as err:  # e.g. NaN asked for as JSON
+            self.metrics.request_done(model.name, "model_error")
+            return await error_response(ServeError(500, f"model {model.name!r}: {err}"))(scope, receive, send)
         self.metrics.request_done(model.name, None)
-        content, headers = encode_infer_response(model.name, model.version, parsed, results)
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         raw.append((b"content-length", str(len(content)).encode("latin-1")))
         await send({"type": "http.response.start", "status": 200, "headers": raw})
