@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -48,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from converge.bench.server_process import free_port
 from converge.data.atomic import atomic_write_bytes
 from converge.train.distributed import BatchForward, Ranks, gradient_sync, unused_parameters, wrap_model
 from converge.train.loop import autocast_context
@@ -296,12 +296,6 @@ def run_stage(opts: dict, stage: str, tmp: str) -> dict:
             raise
         print(f"  ({stage}: a rank exited abnormally after the results were written: {err})", flush=True)
     return json.loads(raw.read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the scaling model ---------------------------------------------------------------------------------

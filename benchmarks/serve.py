@@ -1,6 +1,7 @@
 """Serving throughput and latency of trained gw and chem runs: the model alone against `converge serve`.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve.py --gw runs/gw-full/run --chem runs/chem-full/ethanol/run
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve.py --gw runs/gw-full/run --chem runs/chem-full/ethanol/run \
+        --peers mlserver,litserve
 
 Trains nothing: give run folders of `converge train`. For each, measures the
 model's own throughput (batch 1 and its best batch, no server), then sweeps
@@ -9,6 +10,16 @@ and off (max_batch_size 1) over client concurrency, JSON and binary tensors,
 with the load generator in its own process (its CPU share is reported, to show
 it is not the bottleneck). Writes ``benchmarks/results/serve.json`` and
 ``serve.png`` (throughput against p99 latency).
+
+With ``--peers mlserver,litserve`` the same run also serves the same model with
+MLServer (adaptive batching) and LitServe (batching), each calling our
+``load_served_model(run).predict`` from its own virtual environment
+(``runs/peer-envs/<peer>``, installed on first use: minutes, once), checks one
+answer of each against our model's, and sweeps them over JSON at the same
+concurrencies. Each app's report gains ``peers`` (their sweeps and bests),
+``peer`` (the faster one) and ``gain_vs_peer_at_equal_p99``: our best batched
+JSON throughput at a p99 no worse than that peer's at its best, over the peer's
+best throughput (the target is >= 1.3).
 """
 from __future__ import annotations
 
@@ -31,6 +42,7 @@ def main() -> int:
     parser.add_argument("--formats", default="binary,json", help="binary, json or both")
     parser.add_argument("--max-batch-size", type=int, default=64, help="of the batched server")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where serve.json and serve.png go")
+    parser.add_argument("--peers", default="", help="also mlserver, litserve or both, over JSON")
     args = parser.parse_args()
     runs = {label: run for label, run in (("gw", args.gw), ("chem", args.chem)) if run is not None}
     if not runs:
@@ -38,13 +50,11 @@ def main() -> int:
 
     import torch
 
-    from converge.bench.serve import (BatchingMode, ServeBenchConfig, headline, parse_counts, run_serve_benchmark,
-                                      write_results)
+    from converge.bench.serve import ServeBenchConfig, headline, run_serve_benchmark, write_results
 
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
-    cfg = ServeBenchConfig(concurrencies=parse_counts(args.concurrency), duration_s=args.duration,
-                           warmup_s=args.warmup, formats=tuple(f.strip() for f in args.formats.split(",")),
-                           modes=(BatchingMode("batched", args.max_batch_size), BatchingMode("unbatched", 1)))
+    cfg = ServeBenchConfig.from_options(args.concurrency, args.duration, args.warmup, args.formats,
+                                        args.max_batch_size, peers=args.peers)
     reports = {}
     for label, run in runs.items():
         print(f"{label}: {run}", file=sys.stderr)

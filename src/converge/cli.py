@@ -391,20 +391,22 @@ def bench_serve_cmd(
     device: str = typer.Option("cpu", help="cpu | cuda | auto, for the model and the server."),
     out: Optional[Path] = typer.Option(None, "--out", "-o",
                                        help="Where serve.json, serve.png and the server logs go (default RUN)."),
+    peers: str = typer.Option("", help="Also serve the model with mlserver, litserve or both (over JSON; each is "
+                                       "installed once into runs/peer-envs/<peer>)."),
 ) -> None:
     """Throughput and latency of a served run: the model alone, then `converge serve` with dynamic
-    batching on and off, swept over client concurrency (a perf_analyzer-style load generator)."""
-    from .bench.serve import (BatchingMode, ServeBenchConfig, ServeBenchError, headline, parse_counts,
-                              run_serve_benchmark, write_results)
+    batching on and off, swept over client concurrency (a perf_analyzer-style load generator);
+    with --peers, MLServer and LitServe serving the same model, side by side."""
+    from .bench.peers import PeerError
+    from .bench.serve import ServeBenchConfig, headline, run_serve_benchmark, write_results
+    from .bench.server_process import ServeBenchError
     from .serve.registry import ModelLoadError
 
     _threads()
     try:
-        cfg = ServeBenchConfig(concurrencies=parse_counts(concurrency), duration_s=duration, warmup_s=warmup,
-                               formats=tuple(f.strip() for f in formats.split(",")), device=device,
-                               modes=(BatchingMode("batched", max_batch_size), BatchingMode("unbatched", 1)))
+        cfg = ServeBenchConfig.from_options(concurrency, duration, warmup, formats, max_batch_size, device, peers)
         report = run_serve_benchmark(run, cfg, log_dir=out or run)
-    except (ValueError, ModelLoadError, ServeBenchError) as err:
+    except (ValueError, ModelLoadError, ServeBenchError, PeerError) as err:
         _fail(str(err))
     json_path, png_path = write_results({report["app"]: report}, out or run)
     print(json.dumps(headline(report), indent=2))

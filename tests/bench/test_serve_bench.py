@@ -13,9 +13,10 @@ from converge.apps.gw.app import GWApp
 from converge.apps.gw.config import GWConfig
 from converge.bench.loadgen import InferTarget, LoadProcess, latency_percentiles, run_load
 from converge.bench.serve import (
-    BatchingMode, ServeBenchConfig, ServeBenchError, ServerProcess, example_inputs, model_ceiling, parse_counts,
-    plot_serve_sweep, run_serve_benchmark, summarize, write_results,
+    BatchingMode, ServeBenchConfig, example_inputs, model_ceiling, parse_counts, plot_serve_sweep, run_serve_benchmark,
+    summarize, write_results,
 )
+from converge.bench.server_process import ServeBenchError, ServerProcess
 from converge.serve import ModelLoadError, load_served_model
 from converge.serve.protocol import check_inputs
 from converge.train.checkpoint import save_checkpoint
@@ -57,6 +58,9 @@ def test_loadgen_against_the_real_server(tiny_run, tmp_path):
                    for c, binary in ((1, True), (4, False))]
         samples_done, calls = server.counters()
         wrong = load.run(InferTarget.from_inputs(server.url, "nope", samples), 1, 0.3, 0.0, timeout_s=10)
+        v2 = InferTarget.from_inputs(server.url, "gw", samples, binary=False)
+        routed = load.run(InferTarget(v2.url, "gw", v2.requests, 1, path="/v2/models/gw/infer"), 2, 0.3, 0.0)
+        elsewhere = load.run(InferTarget(v2.url, "gw", v2.requests, 1, path="/predict"), 1, 0.3, 0.0, timeout_s=10)
     for r, concurrency in zip(results, (1, 4)):
         assert r.concurrency == concurrency and r.window_s == 1.0 and r.samples_per_request == 1
         assert r.requests > 0 and r.errors == 0 and not r.error_examples
@@ -67,6 +71,21 @@ def test_loadgen_against_the_real_server(tiny_run, tmp_path):
     assert samples_done >= sum(r.requests for r in results) and 0 < calls <= samples_done
     assert wrong.requests == 0 and wrong.errors > 0 and wrong.p99_ms is None
     assert wrong.error_examples[0].startswith("HTTP 404: ") and "unknown model 'nope'" in wrong.error_examples[0]
+    assert routed.requests > 0 and routed.errors == 0  # an explicit path: the same route as the default
+    assert elsewhere.requests == 0 and elsewhere.error_examples[0].startswith("HTTP 404")  # it did go to /predict
+
+
+def test_loadgen_target_path_defaults_to_v2_infer_and_can_be_another_route():
+    body = ((b"{}", (("Content-Type", "application/json"),)),)
+    default = InferTarget("http://127.0.0.1:8000", "gw", body, 1)
+    assert default.path is None and default.request_path == "/v2/models/gw/infer"
+    assert default.raw_requests() == [b"POST /v2/models/gw/infer HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+                                      b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"]
+    lit = InferTarget("http://127.0.0.1:8000", "gw", body, 1, path="/predict")
+    assert lit.raw_requests()[0].startswith(b"POST /predict HTTP/1.1\r\n") and lit.raw_requests()[0].endswith(b"{}")
+    for bad in ("predict", "/a b", "/x\r\nHost: evil"):
+        with pytest.raises(ValueError, match="give an absolute URL path such as /predict"):
+            InferTarget("http://127.0.0.1:8000", "gw", body, 1, path=bad)
 
 
 def test_loadgen_counts_a_dead_server_as_errors_and_stops_on_time():
@@ -113,11 +132,12 @@ def test_run_serve_benchmark_end_to_end(tiny_run, tmp_path):
                            ceiling_batches=(1, 4), ceiling_min_time_s=0.05)
     report = run_serve_benchmark(tiny_run, cfg, log_dir=tmp_path)
     assert [(r["mode"], r["format"], r["concurrency"]) for r in report["sweep"]] == [
-        ("batched", "binary", 2), ("unbatched", "binary", 2)]
+        ("batched", "binary", 2), ("unbatched", "binary", 2), ("unbatched_thread", "binary", 1)]
     assert all(r["errors"] == 0 and r["requests"] > 0 for r in report["sweep"])
     assert report["model_only_single"] > 0 and report["model_only_best"]["batch_size"] in (1, 4)
     assert report["throughput_batched_best"] > 0 and report["p99_ms_batched_best"] > 0
-    assert "throughput_single_unbatched" not in report  # concurrency 1 was not swept
+    # one lone client, measured with the model on a thread only (concurrency 1 was not swept otherwise)
+    assert report["mode_single_unbatched"] == "unbatched_thread" and report["throughput_single_unbatched"] > 0
     assert 0 < report["loadgen_cpu_share_max"] < 1.5
     assert (tmp_path / "serve-batched.log").read_text().count("/infer") > 0
     json_path, png_path = write_results({"gw": report}, tmp_path)
@@ -126,7 +146,8 @@ def test_run_serve_benchmark_end_to_end(tiny_run, tmp_path):
 
 
 def _row(mode, concurrency, sps, errors=0, fmt="binary"):
-    return {"mode": mode, "format": fmt, "concurrency": concurrency, "throughput_sps": sps, "errors": errors,
+    return {"mode": mode, "max_batch_size": 64 if mode == "batched" else 1, "format": fmt,
+            "concurrency": concurrency, "throughput_sps": sps, "errors": errors,
             "requests": 10, "p99_ms": 100.0 / sps * concurrency, "mean_batch_size": concurrency / 2, "cpu_share": 0.1}
 
 
@@ -134,10 +155,13 @@ def test_summary_picks_the_fastest_clean_batched_point():
     sweep = [_row("unbatched", 1, 100.0), _row("unbatched", 8, 150.0), _row("batched", 1, 110.0),
              _row("batched", 8, 400.0), _row("batched", 64, 900.0, errors=3), _row("batched", 8, 50.0, fmt="json")]
     ceiling = [{"batch_size": 1, "samples_per_s": 200.0}, {"batch_size": 64, "samples_per_s": 1000.0}]
-    s = summarize(sweep, ceiling, "binary", "batched", "unbatched")
+    s = summarize(sweep, ceiling, "binary", "batched")
     assert s["throughput_single_unbatched"] == 100.0 and s["concurrency_batched_best"] == 8  # 64 had errors
     assert s["throughput_batched_best"] == 400.0 and s["gain_vs_single_unbatched"] == 4.0
     assert s["fraction_of_model_best"] == 0.4 and s["p99_ms_batched_best"] == 2.0
+    # the gain is taken against the fastest lone unbatched client, whichever server set-up gave it
+    s = summarize([*sweep, _row("unbatched_thread", 1, 125.0)], ceiling, "binary", "batched")
+    assert s["mode_single_unbatched"] == "unbatched_thread" and s["gain_vs_single_unbatched"] == 3.2
 
 
 def test_plot_is_written(tmp_path):
@@ -146,7 +170,9 @@ def test_plot_is_written(tmp_path):
     sweep += [{**r, "format": "json"} for r in sweep]
     report = {"sweep": sweep, "model_only_best": {"samples_per_s": 2000.0, "batch_size": 64},
               "model_only_single": 400.0}
-    path = plot_serve_sweep({"gw": report, "chem": report}, tmp_path / "plots" / "serve.png")
+    peers = {"mlserver": {"sweep": [{"concurrency": c, "throughput_sps": s, "p99_ms": 9.0 * c} for c, s in
+                                    ((1, 90.0), (16, 800.0))]}, "litserve": {"peer": "litserve", "error": "x"}}
+    path = plot_serve_sweep({"gw": {**report, "peers": peers}, "chem": report}, tmp_path / "plots" / "serve.png")
     assert path.is_file() and path.stat().st_size > 10_000
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp file left behind
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .artifacts import pyplot, save_figure, write_json
 from .machine import describe_machine
-from .serve import free_port
+from .server_process import free_port
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 ELEMENT_BYTES = 4  # float32, nccl-tests' default type

@@ -33,12 +33,17 @@ RECONNECT_PAUSE_S = 0.01  # after a failed exchange: a dead server must not turn
 
 @dataclass(frozen=True)
 class InferTarget:
-    """What the clients send to one model's infer URL: client i sends ``requests[i % len]``."""
+    """What the clients send to one model's infer URL: client i sends ``requests[i % len]``.
+
+    They POST to ``path``, by default the KServe v2 ``/v2/models/{model}/infer``; another server's route
+    (LitServe's ``/predict``) takes its own path and pre-encoded bodies.
+    """
 
     url: str  # http://HOST:PORT
     model: str
     requests: tuple[tuple[bytes, tuple[tuple[str, str], ...]], ...]  # (body, headers) of each request
     samples_per_request: int
+    path: str | None = None  # None: /v2/models/{model}/infer
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -48,6 +53,12 @@ class InferTarget:
             raise ValueError("requests: give at least one encoded request")
         if self.samples_per_request < 1:
             raise ValueError(f"samples_per_request={self.samples_per_request}: must be >= 1")
+        if self.path is not None and (not self.path.startswith("/") or any(c in self.path for c in " \r\n")):
+            raise ValueError(f"path {self.path!r}: give an absolute URL path such as /predict (no spaces)")
+
+    @property
+    def request_path(self) -> str:
+        return self.path if self.path is not None else f"/v2/models/{self.model}/infer"
 
     @classmethod
     def from_inputs(cls, url: str, model: str, inputs: Sequence[Mapping[str, Any]], binary: bool = True
@@ -64,7 +75,7 @@ class InferTarget:
     def raw_requests(self) -> list[bytes]:
         """The complete HTTP/1.1 requests, head and body."""
         parts = urlsplit(self.url)
-        start = f"POST /v2/models/{self.model}/infer HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+        start = f"POST {self.request_path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
         return [(start + "".join(f"{k}: {v}\r\n" for k, v in headers)
                  + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
                 for body, headers in self.requests]

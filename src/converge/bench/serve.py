@@ -14,20 +14,22 @@ The headline numbers: ``throughput_single_unbatched`` (one client, no
 batching), ``throughput_batched_best`` (the best concurrency with batching) and
 its p99 latency, their ratio ``gain_vs_single_unbatched``, and the fraction of
 the model's own ceiling the server reaches.
+
+3. with ``peers`` (``mlserver``, ``litserve``; :mod:`.peers`): the same model
+   served by each peer, in its own environment, swept the same way over JSON;
+   ``peer`` names the faster one and ``gain_vs_peer_at_equal_p99`` is our
+   best batched JSON throughput at a p99 no worse than that peer's p99 at its
+   best, over the peer's best throughput (target: >= 1.3).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -35,6 +37,9 @@ import numpy as np
 
 from ..config import parse_positive_ints
 from .loadgen import InferTarget, LoadProcess
+from .server_process import ServeBenchError, ServerProcess, check_server
+from .peers import (DEFAULT_ENV_ROOT, PEERS, PeerBatching, PeerError, compare_with_peers, ensure_peer_env,
+                    fastest_clean, measure_peer)
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128)
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -42,14 +47,20 @@ FORMATS = ("binary", "json")
 DISTINCT_REQUESTS = 16  # different samples cycled through by the clients
 
 
-class ServeBenchError(RuntimeError):
-    """The server would not start or answer; the message carries the tail of its log."""
-
-
 @dataclass(frozen=True)
 class BatchingMode:
+    """One server set-up to sweep: its batch limit, where the model runs, and (None: the config's) client counts."""
+
     name: str
     max_batch_size: int
+    model_process: bool = True  # `converge serve`'s default; False: --no-model-process (the model on a thread)
+    concurrencies: tuple[int, ...] | None = None
+
+
+# One unbatched client is also measured with the model on a server thread, where a lone request is ~0.5 ms
+# quicker: the batching gain is taken against the faster of the two, never against a slowed baseline.
+MODES = (BatchingMode("batched", 64), BatchingMode("unbatched", 1),
+         BatchingMode("unbatched_thread", 1, model_process=False, concurrencies=(1,)))
 
 
 @dataclass(frozen=True)
@@ -58,13 +69,16 @@ class ServeBenchConfig:
     duration_s: float = 5.0  # measured window per point
     warmup_s: float = 1.0  # before each window
     formats: tuple[str, ...] = FORMATS
-    modes: tuple[BatchingMode, ...] = (BatchingMode("batched", 64), BatchingMode("unbatched", 1))
+    modes: tuple[BatchingMode, ...] = MODES
     ceiling_batches: tuple[int, ...] = CEILING_BATCHES
     ceiling_min_time_s: float = 1.0  # per batch size
     device: str = "cpu"
     timeout_s: float = 30.0  # per request
-    startup_timeout_s: float = 180.0  # for `converge serve` to answer
+    startup_timeout_s: float = 180.0  # for `converge serve` (and the peers) to answer
     seed: int = 0
+    peers: tuple[str, ...] = ()  # other servers of the same model, over JSON: mlserver, litserve
+    peer_batching: PeerBatching = PeerBatching()
+    peer_env_root: str = str(DEFAULT_ENV_ROOT)  # their virtual environments, made on first use
 
     def __post_init__(self) -> None:
         if not self.concurrencies or any(c < 1 for c in self.concurrencies):
@@ -80,6 +94,25 @@ class ServeBenchConfig:
         if not self.ceiling_batches or any(b < 1 for b in self.ceiling_batches) or not self.ceiling_min_time_s > 0:
             raise ValueError(f"ceiling_batches={self.ceiling_batches}, ceiling_min_time_s={self.ceiling_min_time_s}: "
                              "need batch sizes >= 1 and a time > 0")
+        if set(self.peers) - set(PEERS) or len(set(self.peers)) != len(self.peers):
+            raise ValueError(f"peers={self.peers}: choose distinct ones from {', '.join(PEERS)}")
+        if self.peers and "json" not in self.formats:
+            raise ValueError(f"peers={self.peers} speak JSON only: add json to formats={self.formats}")
+
+    @classmethod
+    def from_options(cls, concurrency: str, duration_s: float, warmup_s: float, formats: str, max_batch_size: int,
+                     device: str = "cpu", peers: str = "") -> "ServeBenchConfig":
+        """From command-line text (``"1,4,16"``, ``"binary,json"``, ``"mlserver,litserve"``): batched at
+        ``max_batch_size`` (the peers too) and unbatched."""
+        return cls(concurrencies=parse_counts(concurrency), duration_s=duration_s, warmup_s=warmup_s,
+                   formats=tuple(f.strip() for f in formats.split(",")), device=device,
+                   modes=(replace(MODES[0], max_batch_size=max_batch_size), *MODES[1:]),
+                   peers=parse_peers(peers), peer_batching=PeerBatching(max_batch_size=max_batch_size))
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """``"mlserver, litserve"`` -> ("mlserver", "litserve"); ``""`` -> ()."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
@@ -123,98 +156,13 @@ def model_ceiling(predict, pool: Mapping[str, np.ndarray], batch_sizes: Sequence
     return rows
 
 
-# -- the server ------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-class ServerProcess:
-    """``converge serve NAME=RUN`` on a free 127.0.0.1 port, its output in ``log_path``; SIGINT drains it on exit."""
-
-    def __init__(self, run_dir: Path, name: str, max_batch_size: int, log_path: Path, device: str = "cpu",
-                 startup_timeout_s: float = 180.0, threads: int = 1) -> None:
-        self.run_dir, self.name, self.max_batch_size, self.log_path = Path(run_dir), name, max_batch_size, log_path
-        self.device, self.startup_timeout_s, self.threads = device, startup_timeout_s, threads
-        self.url = ""
-        self._proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "ServerProcess":
-        import httpx
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "converge", "serve", f"{self.name}={self.run_dir}", "--host", "127.0.0.1",
-               "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us", "0",
-               "--device", self.device]
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self._proc.poll() is not None:
-                raise ServeBenchError(f"`converge serve` exited with status {self._proc.returncode}:\n"
-                                      f"{_tail(self.log_path)}")
-            try:
-                if httpx.get(f"{self.url}/v2/models/{self.name}/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.__exit__()
-                raise ServeBenchError(f"`converge serve` not ready after {self.startup_timeout_s:g} s:\n"
-                                      f"{_tail(self.log_path)}")
-            time.sleep(0.1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._proc is None or self._proc.poll() is not None:
-            return
-        self._proc.send_signal(signal.SIGINT)
-        try:
-            self._proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(10)
-
-    def counters(self) -> tuple[float, float]:
-        """(samples inferred, model calls) so far, from the server's own Prometheus counters."""
-        import httpx
-
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-
-        def value(metric: str) -> float:
-            found = re.search(rf'^{metric}_total\{{model="{re.escape(self.name)}"\}} (\S+)$', text, re.M)
-            return float(found.group(1)) if found else 0.0
-
-        return value("converge_inference_samples"), value("converge_inference_executions")
-
-
-def check_server(url: str, name: str, sample: Mapping[str, np.ndarray], outputs: Sequence[str]) -> None:
-    """One request through the real client, JSON and binary: the outputs must be the signature's."""
-    from ..serve.client import Client
-
-    with Client(url, timeout=60) as client:
-        for binary in (False, True):
-            got = client.infer(name, sample, binary=binary)
-            if sorted(got) != sorted(outputs):
-                raise ServeBenchError(f"the server answered outputs {sorted(got)}, expected {sorted(outputs)}")
-
-
 def sweep_server(load: LoadProcess, server: ServerProcess, samples: list[dict[str, np.ndarray]],
                  cfg: ServeBenchConfig, mode: BatchingMode) -> list[dict]:
     """One row per (format, concurrency): the load generator's result and the mean batch the server ran."""
     rows = []
     for fmt in cfg.formats:
         target = InferTarget.from_inputs(server.url, server.name, samples, binary=fmt == "binary")
-        for concurrency in cfg.concurrencies:
+        for concurrency in mode.concurrencies or cfg.concurrencies:
             samples0, calls0 = server.counters()
             result = load.run(target, concurrency, cfg.duration_s, cfg.warmup_s, cfg.timeout_s)
             samples1, calls1 = server.counters()
@@ -224,16 +172,16 @@ def sweep_server(load: LoadProcess, server: ServerProcess, samples: list[dict[st
 
 
 # -- the report ------------------------------------------------------------------------------------------------------
-def summarize(sweep: Sequence[dict], ceiling: Sequence[dict], fmt: str, batched: str, unbatched: str) -> dict:
+def summarize(sweep: Sequence[dict], ceiling: Sequence[dict], fmt: str, batched: str) -> dict:
     """The headline numbers of one format; the best batched point is the fastest without errors."""
-    single = next((r for r in sweep if r["mode"] == unbatched and r["format"] == fmt and r["concurrency"] == 1), None)
-    candidates = [r for r in sweep if r["mode"] == batched and r["format"] == fmt]
-    clean = [r for r in candidates if r["errors"] == 0 and r["requests"] > 0] or candidates
-    best = max(clean, key=lambda r: r["throughput_sps"], default=None)
+    singles = [r for r in sweep if r["max_batch_size"] == 1 and r["format"] == fmt and r["concurrency"] == 1]
+    single = max(singles, key=lambda r: r["throughput_sps"], default=None)  # the fastest unbatched set-up
+    best = fastest_clean([r for r in sweep if r["mode"] == batched and r["format"] == fmt])
     ceiling_best = max(ceiling, key=lambda r: r["samples_per_s"])
     out: dict[str, Any] = {"format": fmt}
     if single is not None:
-        out |= {"throughput_single_unbatched": single["throughput_sps"], "p99_ms_single_unbatched": single["p99_ms"]}
+        out |= {"throughput_single_unbatched": single["throughput_sps"], "p99_ms_single_unbatched": single["p99_ms"],
+                "mode_single_unbatched": single["mode"]}
     if best is not None:
         out |= {"throughput_batched_best": best["throughput_sps"], "concurrency_batched_best": best["concurrency"],
                 "p99_ms_batched_best": best["p99_ms"], "mean_batch_size_batched_best": best["mean_batch_size"],
@@ -255,6 +203,8 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
 
     run_dir = Path(run_dir).resolve()
     model = load_served_model(run_dir, device=cfg.device)
+    for peer in cfg.peers:  # set up (once) before anything is measured: a failure here costs nothing
+        ensure_peer_env(peer, cfg.peer_env_root)
     config = run_config(run_dir)
     app_cfg = from_dict(load_app(config["app"]).config_cls, config["app_config"], "app")
     pool = example_inputs(config["app"], app_cfg, max(max(cfg.ceiling_batches), DISTINCT_REQUESTS), cfg.seed)
@@ -262,20 +212,28 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
     outputs, precision, threads = [s.name for s in model.outputs], model.precision, torch.get_num_threads()
     t0 = time.perf_counter()
     ceiling = model_ceiling(model.predict, pool, cfg.ceiling_batches, cfg.ceiling_min_time_s)
-    del model  # the servers get the cores from here on
     samples = [{k: v[i:i + 1] for k, v in pool.items()} for i in range(DISTINCT_REQUESTS)]
+    reference = model.predict(samples[0])  # what the peers must answer
+    del model  # the servers get the cores from here on
     sweep: list[dict] = []
+    peers: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as scratch, LoadProcess() as load:
         logs = Path(log_dir) if log_dir is not None else Path(scratch)
         logs.mkdir(parents=True, exist_ok=True)
         for mode in cfg.modes:
             with ServerProcess(run_dir, config["app"], mode.max_batch_size, logs / f"serve-{mode.name}.log",
-                               cfg.device, cfg.startup_timeout_s, threads) as server:
+                               cfg.device, cfg.startup_timeout_s, threads, mode.model_process) as server:
                 check_server(server.url, server.name, samples[0], outputs)
                 sweep += sweep_server(load, server, samples, cfg, mode)
+        for peer in cfg.peers:
+            try:
+                peers[peer] = measure_peer(peer, run_dir, config["app"], samples, reference, precision, load, cfg,
+                                           logs, threads)
+            except PeerError as err:  # ours is measured: keep it, say why this peer is missing
+                print(f"error: {err}", file=sys.stderr)
+                peers[peer] = {"peer": peer, "error": str(err)}
     batched = max(cfg.modes, key=lambda m: m.max_batch_size).name
-    unbatched = min(cfg.modes, key=lambda m: m.max_batch_size).name
-    by_format = {fmt: summarize(sweep, ceiling, fmt, batched, unbatched) for fmt in cfg.formats}
+    by_format = {fmt: summarize(sweep, ceiling, fmt, batched) for fmt in cfg.formats}
     best = max(ceiling, key=lambda r: r["samples_per_s"])
     single = next((r["samples_per_s"] for r in ceiling if r["batch_size"] == 1), None)
     return {
@@ -285,6 +243,7 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
         "model_only": ceiling, "model_only_single": single,
         "model_only_best": {"samples_per_s": best["samples_per_s"], "batch_size": best["batch_size"]},
         **by_format[cfg.formats[0]], "by_format": by_format, "sweep": sweep,
+        **({"peers": peers, **compare_with_peers(sweep, peers, batched)} if cfg.peers else {}),
         "loadgen_cpu_share_max": max(r["cpu_share"] for r in sweep),
         "loadgen_cpu_share_mean": float(np.mean([r["cpu_share"] for r in sweep])),
         "seconds": time.perf_counter() - t0,
@@ -295,7 +254,8 @@ def headline(report: Mapping[str, Any]) -> dict:
     """The numbers worth printing, rounded."""
     keys = ("model_only_single", "model_only_best", "format", "throughput_single_unbatched",
             "throughput_batched_best", "concurrency_batched_best", "p99_ms_batched_best", "gain_vs_single_unbatched",
-            "fraction_of_model_best", "loadgen_cpu_share_max")
+            "fraction_of_model_best", "loadgen_cpu_share_max", "peer", "peer_throughput_at_equal_p99", "peer_p99_ms_best",
+            "throughput_at_peer_p99", "p99_ms_at_peer_p99", "gain_vs_peer_at_equal_p99")
 
     def tidy(v: Any) -> Any:
         if isinstance(v, dict):
@@ -305,9 +265,15 @@ def headline(report: Mapping[str, Any]) -> dict:
     return {k: tidy(report[k]) for k in keys if k in report}
 
 
+def _annotate_concurrency(ax, rows: Sequence[Mapping[str, Any]]) -> None:
+    for r in rows:
+        ax.annotate(str(r["concurrency"]), (r["throughput_sps"], r["p99_ms"]), fontsize=7, textcoords="offset points",
+                    xytext=(3, 3))
+
+
 def plot_serve_sweep(reports: Mapping[str, Mapping[str, Any]], path: str | Path) -> Path:
-    """Throughput (samples/s) against p99 latency, one panel per report, one line per (mode, format);
-    the model's own best and batch-1 throughputs as vertical lines."""
+    """Throughput (samples/s) against p99 latency, one panel per report, one line per (mode, format) and one
+    per peer (JSON); the model's own best and batch-1 throughputs as vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,15 +286,19 @@ def plot_serve_sweep(reports: Mapping[str, Mapping[str, Any]], path: str | Path)
             rows = [r for r in report["sweep"] if (r["mode"], r["format"]) == (mode, fmt) and r["p99_ms"] is not None]
             ax.plot([r["throughput_sps"] for r in rows], [r["p99_ms"] for r in rows], "o-" if fmt == "binary"
                     else "s--", color=f"C{modes.index(mode)}", label=f"{mode}, {fmt}")
-            for r in rows:
-                ax.annotate(str(r["concurrency"]), (r["throughput_sps"], r["p99_ms"]), fontsize=7,
-                            textcoords="offset points", xytext=(3, 3))
+            _annotate_concurrency(ax, rows)
+        for i, (peer, measured) in enumerate(report.get("peers", {}).items()):
+            rows = [r for r in measured.get("sweep", []) if r["p99_ms"] is not None]
+            ax.plot([r["throughput_sps"] for r in rows], [r["p99_ms"] for r in rows], "^:", color=f"C{len(modes) + i}",
+                    label=f"{peer}, json")
+            _annotate_concurrency(ax, rows)
         best = report["model_only_best"]
         ax.axvline(best["samples_per_s"], color="k", lw=1, label=f"model alone, batch {best['batch_size']}")
         if report.get("model_only_single"):
             ax.axvline(report["model_only_single"], color="grey", lw=1, ls=":", label="model alone, batch 1")
+        peers = " vs " + ", ".join(report["peers"]) if report.get("peers") else ""
         ax.set(xscale="log", yscale="log", xlabel="throughput [samples/s]", ylabel="p99 latency [ms]",
-               title=f"{label}: converge serve (labels: concurrency)")
+               title=f"{label}: converge serve{peers} (labels: concurrency)")
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -354,7 +324,7 @@ def write_results(reports: Mapping[str, Mapping[str, Any]], out_dir: str | Path,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m converge.bench.serve RUN [--duration S] [--concurrency 1,2,4] [--out DIR]``."""
+    """``python -m converge.bench.serve RUN [--duration S] [--concurrency 1,2,4] [--peers mlserver,litserve]``."""
     parser = argparse.ArgumentParser(prog="converge bench serve", description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, help="a `converge train` run folder (any app)")
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per concurrency level")
@@ -364,15 +334,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=64, help="of the batched server")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     parser.add_argument("--out", type=Path, default=None, help="where serve.json, serve.png go (default RUN)")
+    parser.add_argument("--peers", default="", help="also serve the model with mlserver, litserve or both (JSON)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
     try:
-        cfg = ServeBenchConfig(concurrencies=parse_counts(args.concurrency), duration_s=args.duration,
-                               warmup_s=args.warmup, formats=tuple(f.strip() for f in args.formats.split(",")),
-                               modes=(BatchingMode("batched", args.max_batch_size), BatchingMode("unbatched", 1)),
-                               device=args.device)
+        cfg = ServeBenchConfig.from_options(args.concurrency, args.duration, args.warmup, args.formats,
+                                            args.max_batch_size, args.device, args.peers)
         out = args.out or args.run
         report = run_serve_benchmark(args.run, cfg, log_dir=out)
     except (ValueError, RuntimeError) as err:  # ModelLoadError, ServeBenchError and bad settings
