@@ -1,17 +1,29 @@
 """Trust the surrogate: active learning against random sampling, and the spread off the training data.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --out runs/trust          # ~15-20 min, 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --out runs/trust          # ~40 min on a quiet core
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --quick --out /tmp/trust  # ~1-2 min, smoke test
 
-For the chem app (methanol, DFT at the ``fast`` level): both strategies start from
-the same ``--initial`` DFT conformers and, over ``--rounds`` rounds, label
-``--budget`` more from the same pools of ``--pool`` normal-mode conformers
-(300 K and 600 K): the ensemble's highest disagreement (query by committee), or
-random ones. After each round a fresh ``--members``-model ensemble is tested on
-the same held-out DFT set (same temperatures). Then the last active ensemble's
-spread on the held-out set (in distribution) is set against its spread on much
-hotter conformers and on a molecule it never saw, beside what the
-out-of-distribution check says about each.
+Setting (chem app, methanol, DFT at the ``fast`` level, B3LYP/6-31G*): every
+candidate is a normal-mode-sampled conformer, in equal shares at 150, 300, 600
+and 1200 K (``--temperatures``), the ANI-style way of drawing a data set: many
+near-equilibrium conformers, fewer strained ones. For each of ``--seeds``, both
+strategies start from the same ``--initial`` DFT conformers (round 0 is computed
+once and shared) and, over ``--rounds`` rounds, label ``--budget`` more, a round
+at a time, from fresh pools of ``--pool`` conformers: the ensemble's highest
+energy spread per sqrt(atom) (query by committee, as ANI-1x; with ``--diversity``
+a pick closer than that fraction of the pool's median distance in interatomic
+distances to an earlier pick of the round is skipped), or random ones. After each
+round a fresh ``--members``-model ensemble is tested on the seed's held-out DFT
+set, ``--test`` conformers drawn from the same temperatures in the same shares,
+the same for both strategies. Curves are averaged over the seeds;
+``calls_to_reach_random_final`` is where the mean active curve, interpolated
+linearly between rounds, reaches the mean random curve's final error. Then each
+seed's last active ensemble's spread on its test set (in distribution) is set
+against its spread on much hotter conformers and on a molecule it never saw,
+beside what the out-of-distribution check says about each.
+
+DFT takes about 0.5 s a conformer here; training the 9 ensembles of a seed takes ~90% of
+the time (~13 min a seed on a quiet core; 60 min for the three seeds on a shared, busy one).
 
 Writes ``benchmarks/results/trust.json`` and ``trust_learning_curve.png`` (with
 ``--quick``, ``OUT/trust.json`` and ``OUT/learning_curve.png`` only). Every stage resumes.
@@ -20,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -32,13 +43,20 @@ from converge.data.atomic import atomic_write_bytes, json_bytes
 from converge.data.store import ShardStore
 from converge.train.loop import TrainConfig
 from converge.units import hartree_to_kcal_mol
-from converge.validate.active import compare_strategies, round_dir
+from converge.validate.active import (
+    calls_to_reach,
+    compare_strategies,
+    mean_curve,
+    median_distance,
+    round_dir,
+)
 from converge.validate.calibration import load_calibration
 from converge.validate.chem_learning import ChemLearning, chem_spread
 from converge.validate.ensemble import load_ensemble
 from converge.validate.ood import check_batch, load_envelope
 
 RESULTS = Path(__file__).parent / "results"
+STRATEGIES = ("active", "random")
 
 
 def spread_on(ensemble, envelope, inputs: dict[str, np.ndarray]) -> dict:
@@ -52,12 +70,13 @@ def spread_on(ensemble, envelope, inputs: dict[str, np.ndarray]) -> dict:
             "ood_flagged_fraction": float(np.mean(flagged))}
 
 
-def out_of_distribution(app: ChemApp, cfg: ChemConfig, ensemble_dir: Path, test_inputs: dict, args) -> dict:
+def out_of_distribution(app: ChemApp, cfg: ChemConfig, problem: ChemLearning, ensemble_dir: Path,
+                        test_inputs: dict, args) -> dict:
     """Spread in distribution (the test set) against much hotter conformers and an unseen molecule."""
     ensemble, envelope = load_ensemble(app, ensemble_dir), load_envelope(ensemble_dir)
     hot = ChemLearning(app, cfg, temperatures=(args.ood_temperature,))
     other_cfg = ChemConfig(molecule=args.unseen_molecule, level=cfg.level, hidden=cfg.hidden)
-    other = ChemLearning(app, other_cfg, temperatures=cfg_temperatures(cfg))
+    other = ChemLearning(app, other_cfg, temperatures=problem.temperatures)
     return {
         "in_distribution": spread_on(ensemble, envelope, test_inputs),
         f"hot_{args.ood_temperature:g}K": spread_on(ensemble, envelope, hot.inputs(hot.draw(11, args.n_ood))),
@@ -65,25 +84,77 @@ def out_of_distribution(app: ChemApp, cfg: ChemConfig, ensemble_dir: Path, test_
     }
 
 
-def cfg_temperatures(cfg: ChemConfig) -> tuple[float, float]:
-    return (cfg.temperature, 2 * cfg.temperature)
+def summarise(curves: list[list[dict]]) -> dict:
+    """One strategy's curves over the seeds: the seed means, and each seed's values."""
+    keys = {"test_mae": "energy_mae_kcal_mol", "test_force_mae": "force_mae_kcal_mol_A",
+            "mean_spread": "mean_energy_spread_kcal_mol"}
+    calls, _ = mean_curve(curves, keys["test_mae"])
+    out: dict = {"dft_calls": [int(c) for c in calls]}
+    for name, metric in keys.items():
+        out[name] = mean_curve(curves, metric)[1]
+        out[f"{name}_by_seed"] = [[h[metric] for h in curve] for curve in curves]
+    out["test_mae_by_temperature"] = [
+        {t: float(np.mean([curve[r]["energy_mae_by_temperature"][t] for curve in curves]))
+         for t in curves[0][r]["energy_mae_by_temperature"]} for r in range(len(calls))]
+    out["spearman_spread_error"] = mean_curve([[h["calibration"] | {"simulator_calls": h["simulator_calls"]}
+                                                for h in curve] for curve in curves], "spearman")[1]
+    return out
 
 
-def summarise(curve: list[dict]) -> dict:
-    return {"dft_calls": [h["simulator_calls"] for h in curve],
-            "test_mae": [h["energy_mae_kcal_mol"] for h in curve],
-            "test_force_mae": [h["force_mae_kcal_mol_A"] for h in curve],
-            "mean_spread": [h["mean_energy_spread_kcal_mol"] for h in curve],
-            "test_mae_by_temperature": [h["energy_mae_by_temperature"] for h in curve],
-            "spearman_spread_error": [h["calibration"]["spearman"] for h in curve]}
+def mean_over_seeds(reports: list[dict]) -> dict:
+    """Field-by-field mean of the seeds' spread reports (same names, numbers only)."""
+    return {name: {k: float(np.mean([r[name][k] for r in reports])) for k in reports[0][name]}
+            for name in reports[0]}
+
+
+def selection_spacing(run: Path, problem: ChemLearning, rounds: int) -> dict:
+    """How far apart one round's picks lie (interatomic-distance space, Å) beside the pool's median distance."""
+    nearest, median = [], []
+    for r in range(1, rounds + 1):
+        selection = json.loads((round_dir(run, r) / "selection.json").read_text())
+        d = problem.descriptors(problem.inputs(selection["pool"]))
+        picked = d[selection["selected"]]
+        pairs = np.linalg.norm(picked[:, None] - picked[None], axis=-1)[np.triu_indices(len(picked), 1)]
+        nearest.append(float(pairs.min()))
+        median.append(median_distance(d))
+    return {"closest_pair_of_picks_A": nearest, "pool_median_distance_A": median}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "test_mae", "test energy MAE (kcal/mol)"),
+                           (axes[1], "test_force_mae", "test force MAE (kcal/mol/Å)")):
+        for name, color in zip(STRATEGIES, ("C0", "C1")):
+            r = results[name]
+            for seed_curve in r[f"{key}_by_seed"]:
+                ax.plot(r["dft_calls"], seed_curve, "-", color=color, alpha=0.25, lw=1)
+            ax.plot(r["dft_calls"], r[key], "o-", color=color, lw=2,
+                    label=f"{'active (query by committee)' if name == 'active' else 'random'}, "
+                          f"mean of {len(r[f'{key}_by_seed'])} seeds")
+        ax.set(xlabel="DFT calls (training data)", ylabel=label, yscale="log")
+        ax.grid(alpha=0.3, which="both")
+    final, reach = results["random"]["test_mae"][-1], results["active"]["calls_to_reach_random_final"]
+    axes[0].axhline(final, color="C1", ls="--", lw=1)
+    if reach is not None:
+        axes[0].axvline(reach, color="C0", ls=":", lw=1)
+        axes[0].set_title(f"active reaches random's final {final:.2f} kcal/mol at {reach:.1f} calls", fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/trust"))
     ap.add_argument("--molecule", default="methanol")
-    ap.add_argument("--initial", type=int, default=16)
-    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--initial", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--pool", type=int, default=1024)
     ap.add_argument("--members", type=int, default=4)
@@ -91,56 +162,84 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperatures", default="", help="pool and test temperatures in K, e.g. 300,600,1200 "
-                    "(default: T and 2T of the app config, 300 and 600)")
-    ap.add_argument("--ood-temperature", type=float, default=1800.0)
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated; the same seeds for both strategies")
+    ap.add_argument("--diversity", type=float, default=0.3,
+                    help="qbc batch diversity as a fraction of the pool's median distance (0: plain top-k)")
+    ap.add_argument("--temperatures", default="150,300,600,1200", help="pool and test temperatures in K")
+    ap.add_argument("--ood-temperature", type=float, default=2400.0)
     ap.add_argument("--unseen-molecule", default="ethanol")
     ap.add_argument("--n-ood", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="a minute-long smoke run; results stay under --out")
     args = ap.parse_args()
     if args.quick:
-        args.initial, args.budget, args.rounds, args.pool, args.members = 6, 4, 2, 64, 2
+        args.initial, args.budget, args.rounds, args.pool, args.members, args.seeds = 6, 4, 2, 64, 2, "0,1"
         args.test, args.epochs, args.n_ood = 6, 3, 8
+    seeds = [int(x) for x in args.seeds.split(",")]
     torch.set_num_threads(1)
     app, cfg = ChemApp(), ChemConfig(molecule=args.molecule, level="fast")
     train_cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.epochs,
                             precision="fp32")
-    temperatures = tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else None
-    problem = ChemLearning(app, cfg, temperatures=temperatures)
+    problem = ChemLearning(app, cfg, temperatures=tuple(float(t) for t in args.temperatures.split(",")))
     t0 = time.perf_counter()
-    curves = compare_strategies(app, cfg, args.out, initial=args.initial, budget=args.budget, rounds=args.rounds,
-                                pool_size=args.pool, seed=args.seed, members=args.members, n_test=args.test,
-                                train_cfg=train_cfg, progress=False, problem=problem)
+    runs = {}
+    for seed in seeds:
+        runs[seed] = compare_strategies(
+            app, cfg, args.out / f"seed-{seed}", initial=args.initial, budget=args.budget, rounds=args.rounds,
+            pool_size=args.pool, seed=seed, members=args.members, n_test=args.test, diversity=args.diversity,
+            train_cfg=train_cfg, progress=False, problem=problem)
     learn_s = time.perf_counter() - t0
-    final = {label: round_dir(args.out / label, args.rounds) / "ensemble" for label in ("active", "random")}
-    test = ShardStore.open(args.out / "test").load(["species", "coordinates"])
-    ood = out_of_distribution(app, cfg, final["active"], test, args)
-    results = {
-        "settings": {"molecule": args.molecule, "level_of_theory": cfg.level_of_theory,
-                     "temperatures_K": list(problem.temperatures), "initial": args.initial, "budget": args.budget,
-                     "rounds": args.rounds, "pool_size": args.pool, "members": args.members, "n_test": args.test,
-                     "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-                     "quick": args.quick},
-        "active": {**summarise(curves["active"]), "calls_to_reach_random_final": curves["calls_to_reach_random_final"]},
-        "random": summarise(curves["random"]),
-        "spread": ood,
-        "calibration": {label: {k: v for k, v in load_calibration(path).items() if k != "binned"}
-                        for label, path in final.items()},
-        "seconds": {"learning": learn_s, "total": time.perf_counter() - t0, "threads": torch.get_num_threads()},
-    }
+    results: dict = {name: summarise([runs[s][name] for s in seeds]) for name in STRATEGIES}
+    final_random = results["random"]["test_mae"][-1]
+    reach = calls_to_reach(results["active"]["dft_calls"], results["active"]["test_mae"], final_random,
+                           interpolate=True)
+    results["active"].update({
+        "calls_to_reach_random_final": reach,
+        "calls_to_reach_random_final_rule": "seed-mean curves; linear interpolation between rounds",
+        "calls_to_reach_random_final_measured_round": calls_to_reach(
+            results["active"]["dft_calls"], results["active"]["test_mae"], final_random),
+        "calls_to_reach_random_final_by_seed": [calls_to_reach(
+            results["active"]["dft_calls"], a, r[-1], interpolate=True)
+            for a, r in zip(results["active"]["test_mae_by_seed"], results["random"]["test_mae_by_seed"])],
+        "fraction_of_random_calls": None if reach is None else reach / results["random"]["dft_calls"][-1],
+        "selection_spacing_by_seed": [selection_spacing(args.out / f"seed-{s}" / "active", problem, args.rounds)
+                                      for s in seeds],
+    })
+    results["target"] = {"rule": "active reaches random's final error with <= 50% of its DFT calls",
+                         "met": reach is not None and reach <= 0.5 * results["random"]["dft_calls"][-1]}
+    ood, calibration = [], {}
+    for seed in seeds:
+        final = {name: round_dir(args.out / f"seed-{seed}" / name, args.rounds) / "ensemble" for name in STRATEGIES}
+        test = ShardStore.open(args.out / f"seed-{seed}" / "test").load(["species", "coordinates"])
+        ood.append(out_of_distribution(app, cfg, problem, final["active"], test, args))
+        calibration[str(seed)] = {name: {k: v for k, v in load_calibration(path).items() if k != "binned"}
+                                  for name, path in final.items()}
+    results["spread"] = {**mean_over_seeds(ood), "by_seed": ood, "ensemble": "each seed's last active ensemble"}
+    results["calibration"] = calibration
+    results["settings"] = {
+        "molecule": args.molecule, "level_of_theory": cfg.level_of_theory, "temperatures_K": list(problem.temperatures),
+        "pool_and_test_distribution": "normal-mode conformers, equal shares per temperature; test drawn alike",
+        "initial": args.initial, "budget": args.budget, "rounds": args.rounds, "calls_per_round": args.budget // args.rounds,
+        "pool_size": args.pool, "members": args.members, "n_test_per_seed": args.test, "epochs": args.epochs,
+        "batch_size": args.batch_size, "lr": args.lr, "seeds": seeds, "diversity": args.diversity,
+        "disagreement": "ensemble energy std / sqrt(atoms) (ANI-1x)", "ood_temperature_K": args.ood_temperature,
+        "unseen_molecule": args.unseen_molecule, "quick": args.quick}
+    results["seconds"] = {"learning": learn_s, "total": time.perf_counter() - t0, "threads": torch.get_num_threads()}
     target = args.out if args.quick else RESULTS
     target.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(target / "trust.json", json_bytes(results))
+    plot(results, args.out / "learning_curve.png")
     if not args.quick:
-        shutil.copy(args.out / "learning_curve.png", RESULTS / "trust_learning_curve.png")
-    a, r = results["active"], results["random"]
-    print(f"test energy MAE after {a['dft_calls'][-1]} DFT calls: active {a['test_mae'][-1]:.3f}, "
-          f"random {r['test_mae'][-1]:.3f} kcal/mol; active reaches random's final error after "
-          f"{a['calls_to_reach_random_final']} calls")
-    for name, s in ood.items():
-        print(f"spread per atom {name}: {s['mean_energy_spread_per_atom_kcal_mol']:.3f} kcal/mol, "
-              f"flagged by the OOD check: {s['ood_flagged_fraction']:.0%}")
+        plot(results, RESULTS / "trust_learning_curve.png")
+    r = results["random"]
+    for name in STRATEGIES:
+        print(f"{name:6s} calls {results[name]['dft_calls']} energy MAE "
+              + " ".join(f"{v:.3f}" for v in results[name]["test_mae"]))
+    print(f"active reaches random's final {r['test_mae'][-1]:.3f} kcal/mol after {reach} calls "
+          f"(random: {r['dft_calls'][-1]}); target met: {results['target']['met']}")
+    for name, s in results["spread"].items():
+        if isinstance(s, dict) and "n" in s:
+            print(f"spread per atom {name}: {s['mean_energy_spread_per_atom_kcal_mol']:.3f} kcal/mol, "
+                  f"flagged by the OOD check: {s['ood_flagged_fraction']:.0%}")
     print(json.dumps(results["seconds"]))
 
 

@@ -415,7 +415,7 @@ def bench_serve_cmd(
 
 @cli.command("learn")
 def learn_cmd(
-    app: str = typer.Argument(..., help="App name (chem)."),
+    app: str = typer.Argument(..., help="App name (chem, gw)."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder of the rounds (resumed if present)."),
     budget: int = typer.Option(64, help="Simulator calls added over all rounds after the initial set."),
     rounds: int = typer.Option(4, help="Rounds of select -> simulate -> retrain."),
@@ -425,6 +425,8 @@ def learn_cmd(
     test: int = typer.Option(48, help="Held-out simulated samples for the learning curve."),
     strategy: str = typer.Option("qbc", help="qbc (highest ensemble disagreement), random, or both (side by side)."),
     seed: int = typer.Option(0, help="Seed of pools, initial and test sets (shared by both strategies)."),
+    diversity: float = typer.Option(0.0, help="qbc batch diversity: skip candidates closer than this fraction of "
+                                    "the pool's median distance to one already chosen (0: plain top-k)."),
     epochs: int = typer.Option(300, help="Training epochs per member per round."),
     batch_size: int = typer.Option(8, help="Training batch size."),
     from_queue: Optional[Path] = typer.Option(None, "--from-queue", help="Instead: turn the simulator answers "
@@ -436,7 +438,8 @@ def learn_cmd(
     """Active learning: simulate only where the ensemble disagrees (query by committee).
 
     Each round trains an ensemble, scores a pool of cheap candidates (chem: normal-mode
-    conformers at T and 2T), simulates the most disputed ones and retrains. Every round is
+    conformers at T and 2T, labelled by DFT; gw: binaries from the prior, each scored on its
+    window in noise, the waveforms the training set gains), simulates the most disputed ones and retrains. Every round is
     checkpointed: rerun the same command to continue. Writes OUT/learning_curve.png and
     per-round metrics.json (test error against simulator calls).
     """
@@ -465,7 +468,7 @@ def learn_cmd(
         tcfg = load_section(TrainConfig, tables, "train", {**ov.get("train", {}), "epochs": epochs,
                                                            "batch_size": batch_size, "patience": epochs})
         options = dict(initial=initial, budget=budget, rounds=rounds, pool_size=pool, seed=seed, members=members,
-                       n_test=test, train_cfg=tcfg, progress=True)
+                       n_test=test, diversity=diversity, train_cfg=tcfg, progress=True)
         if strategy == "both":
             result = compare_strategies(application, app_cfg, out, **options)
             console.print(f"active reaches random's final error with {result['calls_to_reach_random_final']} calls")

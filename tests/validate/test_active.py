@@ -9,8 +9,22 @@ from converge.apps.chem import ChemApp, ChemConfig
 from converge.config import ConfigError
 from converge.data.store import ShardStore
 from converge.train.loop import TrainConfig
-from converge.validate.active import LearningConfig, calls_to_reach, round_dir, run_active_learning, select_candidates
-from converge.validate.chem_learning import ChemLearning, atom_force_spread, energy_spread_per_atom
+from converge.validate.active import (
+    LearningConfig,
+    calls_to_reach,
+    mean_curve,
+    median_distance,
+    round_dir,
+    run_active_learning,
+    select_candidates,
+    share_initial_round,
+)
+from converge.validate.chem_learning import (
+    ChemLearning,
+    atom_force_spread,
+    energy_spread_per_atom,
+    interatomic_distances,
+)
 from converge.validate.ensemble import EnsemblePrediction
 from converge.validate.ood import check_in_distribution, load_envelope
 
@@ -125,3 +139,80 @@ def test_tiny_chem_run_finishes_and_resumes_after_its_last_finished_round(tmp_pa
 
     with pytest.raises(ConfigError, match="other learn settings"):
         run_active_learning(app, CFG, tmp_path, **{**SETTINGS, "pool_size": 32})
+
+
+# -- batch diversity, shared round 0, curves ---------------------------------------------
+def test_diverse_selection_takes_the_most_disputed_but_never_two_near_duplicates():
+    scores = np.array([9.0, 8.9, 5.0, 4.0, 1.0])
+    points = np.array([[0.0, 0.0], [0.01, 0.0], [3.0, 0.0], [0.0, 3.0], [0.02, 0.01]])  # 0, 1, 4: one shape
+    plain = select_candidates(scores, 3, "qbc", np.random.default_rng(0))
+    assert plain.tolist() == [0, 1, 2]  # top-k alone spends two calls on the near-duplicates 0 and 1
+    picked = select_candidates(scores, 3, "qbc", np.random.default_rng(0), points, min_distance=0.5)
+    assert picked.tolist() == [0, 2, 3]
+    chosen = points[picked]
+    assert min(np.linalg.norm(chosen[a] - chosen[b]) for a in range(3) for b in range(a)) >= 0.5
+    # too few distinct candidates: the skipped ones fill the batch, most disputed first
+    assert select_candidates(scores, 4, "qbc", np.random.default_rng(0), points, 0.5).tolist() == [0, 2, 3, 1]
+    # random ignores descriptors; a mismatched descriptor array is refused
+    assert select_candidates(scores, 2, "random", np.random.default_rng(1), points, 0.5).tolist() == \
+        select_candidates(scores, 2, "random", np.random.default_rng(1)).tolist()
+    with pytest.raises(ValueError, match="4 descriptors for 5 candidates"):
+        select_candidates(scores, 2, "qbc", np.random.default_rng(0), points[:4], 0.5)
+
+
+def test_median_distance_and_interatomic_descriptors():
+    assert median_distance(np.array([[0.0], [1.0], [3.0]])) == pytest.approx(2.0)  # pairs 1, 3, 2
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 3))
+    q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+    moved = x @ q.T + np.array([1.0, -2.0, 0.5])
+    np.testing.assert_allclose(interatomic_distances(moved), interatomic_distances(x), atol=1e-12)
+    water = np.array([[[0.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 2.0, 0.0]]])
+    np.testing.assert_allclose(interatomic_distances(water), [[1.0, 2.0, 5**0.5]])
+    problem = ChemLearning(ChemApp(), ChemConfig(molecule="water"))
+    assert problem.descriptors({"coordinates": water}).shape == (1, 3)
+
+
+def test_interpolated_calls_to_reach_and_mean_curves():
+    assert calls_to_reach([10, 20, 30], [3.0, 2.0, 1.0], 1.5, interpolate=True) == pytest.approx(25.0)
+    assert calls_to_reach([10, 20, 30], [3.0, 2.0, 1.0], 1.5) == 30.0
+    assert calls_to_reach([10, 20], [1.0, 0.5], 2.0, interpolate=True) == 10.0  # reached at the first point
+    assert calls_to_reach([10, 20], [3.0, 2.0], 1.0, interpolate=True) is None
+    a = [{"simulator_calls": 8, "mae": 2.0}, {"simulator_calls": 16, "mae": 1.0}]
+    b = [{"simulator_calls": 8, "mae": 4.0}, {"simulator_calls": 16, "mae": 2.0}]
+    assert mean_curve([a, b], "mae") == ([8.0, 16.0], [3.0, 1.5])
+    with pytest.raises(ValueError, match="differ in their simulator calls"):
+        mean_curve([a, b[:1]], "mae")
+    with pytest.raises(ConfigError, match="learn.diversity"):
+        LearningConfig(diversity=1.5)
+
+
+def test_round_zero_is_shared_between_strategies(tmp_path):
+    source = round_dir(tmp_path / "active", 0)
+    (source / "ensemble").mkdir(parents=True)
+    (source / "ensemble" / "ensemble.json").write_text("{}")
+    assert not share_initial_round(tmp_path / "active", tmp_path / "random", "random")  # unfinished: no copy
+    (source / "metrics.json").write_text(json.dumps({"round": 0, "strategy": "qbc", "simulator_calls": 8}))
+    assert share_initial_round(tmp_path / "active", tmp_path / "random", "random")
+    copied = round_dir(tmp_path / "random", 0)
+    assert json.loads((copied / "metrics.json").read_text())["strategy"] == "random"
+    assert (copied / "ensemble" / "ensemble.json").read_text() == "{}"
+    assert not share_initial_round(tmp_path / "active", tmp_path / "random", "random")  # already there
+
+
+def test_learn_cli_passes_diversity_and_rejects_a_bad_one(tmp_path, one_thread, monkeypatch):
+    from typer.testing import CliRunner
+
+    from converge import cli as cli_module
+    from converge.validate import active
+
+    seen = {}
+    monkeypatch.setattr(active, "run_active_learning", lambda app, cfg, out, **kw: seen.update(kw) or [{}])
+    runner = CliRunner()
+    result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "a"), "--diversity", "0.3"])
+    assert result.exit_code == 0, result.output
+    assert seen["diversity"] == 0.3 and seen["strategy"] == "qbc"
+    monkeypatch.undo()
+    result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "b"), "--diversity", "1.5",
+                                            "--set", "app.molecule=water"])
+    assert result.exit_code == 2 and "learn.diversity=1.5" in result.output

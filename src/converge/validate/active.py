@@ -10,8 +10,18 @@ the ``budget / rounds`` best (``strategy="qbc"``) or as many random ones from th
 same pool (``"random"``: the baseline), and trains a fresh ensemble on all data.
 Both strategies see the same initial set, pools and test set for a given ``seed``.
 
+Batch diversity (``diversity > 0``): a round that labels the top-k by disagreement
+alone may spend several calls on near-duplicates of one disputed region. Taking
+candidates in order of disagreement, one is skipped while it lies closer than
+``d_min = diversity * median pairwise distance of the pool`` to one already
+chosen, in the problem's descriptor space (chem: interatomic distances); if too
+few remain, the skipped ones fill the batch in order of disagreement. This is the
+greedy form of the diversity step of batch-mode active learning (Brinker, "Incorporating
+diversity in active learning with support vector machines", ICML 2003).
+
 What is a candidate, how it is labelled and scored is the app's part, a
-:class:`LearningProblem` (chem: :class:`~converge.validate.chem_learning.ChemLearning`).
+:class:`LearningProblem` (chem: :class:`~converge.validate.chem_learning.ChemLearning`; gw:
+:class:`~converge.validate.gw_learning.GWLearning`).
 
 Layout of ``OUT`` (every file atomic; a rerun continues after the last finished
 round, and inside a round reuses its selection, labelled shards and members)::
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +60,8 @@ from .ensemble import EnsembleModel, EnsemblePrediction, load_ensemble, train_en
 STRATEGIES = ("qbc", "random")
 STREAM_INITIAL, STREAM_POOL, STREAM_RANDOM, STREAM_TEST = 1, 2, 3, 4  # independent seed streams
 LABEL_SHARD_SIZE = 8  # labelled samples per shard: an interrupted round loses at most these
-PROBLEMS = {"chem": "converge.validate.chem_learning:ChemLearning"}  # app name -> default LearningProblem
+PROBLEMS = {"chem": "converge.validate.chem_learning:ChemLearning",  # app name -> default LearningProblem
+            "gw": "converge.validate.gw_learning:GWLearning"}
 
 
 class HeldOut(NamedTuple):
@@ -82,6 +94,10 @@ class LearningProblem(Protocol):
     def disagreement(self, prediction: EnsemblePrediction, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """(N,) the ensemble's disagreement per candidate; larger = more worth labelling."""
 
+    def descriptors(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """(N, D) candidates as points whose Euclidean distance says how alike they are; used only by
+        batch diversity (``diversity > 0``)."""
+
     def held_out(self, ensemble: EnsembleModel, arrays: Mapping[str, np.ndarray],
                  params: Mapping[str, np.ndarray]) -> HeldOut:
         """Errors and spreads of the ensemble on labelled held-out ``arrays``."""
@@ -102,10 +118,14 @@ class LearningConfig:
     seed: int = 0
     members: int = 4
     n_test: int = 40
+    diversity: float = 0.0  # qbc: skip candidates closer than diversity * median pool distance (0: plain top-k)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"learn.strategy={self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if not 0 <= self.diversity < 1:
+            raise ConfigError(f"learn.diversity={self.diversity}: give a fraction of the pool's median distance "
+                              "in [0, 1), e.g. 0.3 (0 turns batch diversity off)")
         for key, least in (("initial", 2), ("rounds", 1), ("members", 2), ("n_test", 1), ("seed", 0)):
             if getattr(self, key) < least:
                 raise ConfigError(f"learn.{key}={getattr(self, key)}: must be >= {least}")
@@ -122,18 +142,47 @@ class LearningConfig:
         return [base + (1 if r < extra else 0) for r in range(self.rounds)]
 
 
-def select_candidates(scores: np.ndarray, n: int, strategy: str, rng: np.random.Generator) -> np.ndarray:
+def select_candidates(scores: np.ndarray, n: int, strategy: str, rng: np.random.Generator,
+                      descriptors: np.ndarray | None = None, min_distance: float = 0.0) -> np.ndarray:
     """Indices of the ``n`` candidates to label: the highest ``scores`` first (``"qbc"``; NaN or inf,
-    a model that broke down, counts as highest; ties keep pool order), or ``n`` uniformly at random."""
+    a model that broke down, counts as highest; ties keep pool order), or ``n`` uniformly at random.
+
+    With ``descriptors`` (N, D) and ``min_distance > 0``, qbc skips a candidate closer than
+    ``min_distance`` to one already chosen (:func:`diverse_top`)."""
     scores = np.asarray(scores, dtype=np.float64).reshape(-1)
     if not 0 < n <= scores.size:
         raise ValueError(f"cannot select {n} of {scores.size} candidates")
     if strategy == "qbc":
         key = np.where(np.isfinite(scores), scores, np.inf)
-        return np.argsort(-key, kind="stable")[:n]
+        order = np.argsort(-key, kind="stable")
+        if descriptors is None or min_distance <= 0:
+            return order[:n]
+        return diverse_top(order, np.asarray(descriptors, dtype=np.float64), n, min_distance)
     if strategy == "random":
         return np.sort(rng.choice(scores.size, size=n, replace=False))
     raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+
+
+def diverse_top(order: np.ndarray, descriptors: np.ndarray, n: int, min_distance: float) -> np.ndarray:
+    """The first ``n`` of ``order`` (best first) that lie at least ``min_distance`` from every earlier
+    pick in ``descriptors`` (N, D); the skipped ones fill up the batch, best first, if too few remain."""
+    if len(descriptors) != len(order):
+        raise ValueError(f"{len(descriptors)} descriptors for {len(order)} candidates")
+    picked: list[int] = []
+    skipped: list[int] = []
+    for i in order:
+        if len(picked) == n:
+            break
+        near = picked and np.min(np.linalg.norm(descriptors[picked] - descriptors[i], axis=1)) < min_distance
+        (skipped if near else picked).append(int(i))
+    return np.asarray(picked + skipped[: n - len(picked)], dtype=np.int64)
+
+
+def median_distance(descriptors: np.ndarray, max_points: int = 1024) -> float:
+    """Median Euclidean distance between pairs of (the first ``max_points``) rows of ``descriptors`` (N, D)."""
+    from scipy.spatial.distance import pdist
+
+    return float(np.median(pdist(np.asarray(descriptors, dtype=np.float64)[:max_points])))
 
 
 def default_problem(app: App, app_cfg: Any) -> LearningProblem:
@@ -197,6 +246,7 @@ def run_active_learning(
     seed: int = 0,
     members: int = 4,
     n_test: int = 40,
+    diversity: float = 0.0,
     train_cfg: TrainConfig | None = None,
     problem: LearningProblem | None = None,
     test_dir: str | Path | None = None,
@@ -208,7 +258,7 @@ def run_active_learning(
     ``test_dir`` shares one held-out store between runs (e.g. the two strategies).
     ``stop_after`` returns after finishing that many rounds in this call, as a kill would.
     """
-    learn = LearningConfig(initial, budget, rounds, pool_size, strategy, seed, members, n_test)
+    learn = LearningConfig(initial, budget, rounds, pool_size, strategy, seed, members, n_test, diversity)
     train_cfg = train_cfg or TrainConfig()
     problem = problem or default_problem(app, app_cfg)
     out_dir = Path(out_dir)
@@ -288,9 +338,15 @@ def _select(problem: LearningProblem, learn: LearningConfig, out_dir: Path, r: i
         ensemble = load_ensemble(problem.app, round_dir(out_dir, r - 1) / "ensemble")
         scores = np.asarray(problem.disagreement(ensemble.predict(inputs), inputs), dtype=np.float64)
         rng = np.random.default_rng(stream_seed(learn.seed, STREAM_RANDOM, r))
-        picked = select_candidates(scores, learn.round_sizes()[r - 1], learn.strategy, rng)
+        descriptors, min_distance = None, 0.0
+        if learn.strategy == "qbc" and learn.diversity > 0:
+            descriptors = problem.descriptors(inputs)
+            min_distance = learn.diversity * median_distance(descriptors)
+        picked = select_candidates(scores, learn.round_sizes()[r - 1], learn.strategy, rng, descriptors,
+                                   min_distance)
         atomic_write_bytes(path, json_bytes(json_round_trip({
-            "strategy": learn.strategy, "pool": pool, "disagreement": scores.tolist(), "selected": picked.tolist()})))
+            "strategy": learn.strategy, "pool": pool, "disagreement": scores.tolist(), "selected": picked.tolist(),
+            "min_distance": min_distance})))
     selection = json.loads(path.read_text())
     scores, picked = np.asarray(selection["disagreement"]), selection["selected"]
     scoring = {"pool_mean_disagreement": float(np.mean(scores)),
@@ -299,12 +355,28 @@ def _select(problem: LearningProblem, learn: LearningConfig, out_dir: Path, r: i
 
 
 # -- learning curves ------------------------------------------------------------------
-def calls_to_reach(calls: Sequence[float], errors: Sequence[float], target: float) -> float | None:
-    """The fewest simulator calls at which ``errors`` first fall to ``target`` or below (None: never)."""
-    for c, e in zip(calls, errors):
+def calls_to_reach(calls: Sequence[float], errors: Sequence[float], target: float,
+                   interpolate: bool = False) -> float | None:
+    """The fewest simulator calls at which ``errors`` first fall to ``target`` or below (None: never).
+
+    Measured points only by default; ``interpolate`` draws a straight line between the last
+    point above ``target`` and the first at or below it and returns where it crosses.
+    """
+    for k, (c, e) in enumerate(zip(calls, errors)):
         if e <= target:
-            return float(c)
+            if not interpolate or k == 0:
+                return float(c)
+            c0, e0 = calls[k - 1], errors[k - 1]
+            return float(c0 + (c - c0) * (e0 - target) / (e0 - e))
     return None
+
+
+def mean_curve(curves: Sequence[Sequence[Mapping[str, Any]]], metric: str) -> tuple[list[float], list[float]]:
+    """Simulator calls and the mean of ``metric`` over runs (e.g. seeds) that share their calls per round."""
+    calls = [[h["simulator_calls"] for h in curve] for curve in curves]
+    if any(c != calls[0] for c in calls):
+        raise ValueError(f"runs differ in their simulator calls per round ({calls}); average runs of one schedule")
+    return [float(c) for c in calls[0]], np.mean([[h[metric] for h in curve] for curve in curves], axis=0).tolist()
 
 
 def write_learning_curve(out_dir: Path, history: Sequence[Mapping[str, Any]], metrics: Sequence[str],
@@ -336,12 +408,18 @@ def plot_learning_curves(curves: Mapping[str, Sequence[Mapping[str, Any]]], metr
 
 def compare_strategies(app: App, app_cfg: Any, out_dir: str | Path, **options: Any) -> dict[str, Any]:
     """Active (qbc) and random learning with the same seeds, pools and test set: ``out_dir/active``,
-    ``out_dir/random``, ``out_dir/test``; the joint curve in ``out_dir/learning_curve.png``."""
+    ``out_dir/random``, ``out_dir/test``; the joint curve in ``out_dir/learning_curve.png``.
+
+    Round 0 (the initial set and its ensemble) is the same for both strategies, so random's is a
+    copy of active's (:func:`share_initial_round`) rather than a second run of identical work.
+    """
     out_dir = Path(out_dir)
     options.pop("strategy", None)
     problem = options.pop("problem", None) or default_problem(app, app_cfg)
     curves = {}
     for label, strategy in (("active", "qbc"), ("random", "random")):
+        if label == "random":
+            share_initial_round(out_dir / "active", out_dir / "random", strategy)
         curves[label] = run_active_learning(app, app_cfg, out_dir / label, strategy=strategy, problem=problem,
                                             test_dir=out_dir / "test", **options)
     plot_learning_curves(curves, problem.curve_metrics, out_dir / "learning_curve.png")
@@ -349,3 +427,23 @@ def compare_strategies(app: App, app_cfg: Any, out_dir: str | Path, **options: A
     final_random = curves["random"][-1][metric]
     return {**curves, "metric": metric, "calls_to_reach_random_final": calls_to_reach(
         [h["simulator_calls"] for h in curves["active"]], [h[metric] for h in curves["active"]], final_random)}
+
+
+def share_initial_round(source: Path, target: Path, strategy: str) -> bool:
+    """Copy the finished round 0 of ``source`` into ``target`` (run with ``strategy``) unless there is
+    one; True if copied.
+
+    Round 0 does not depend on the strategy (same seed: same initial set, same member seeds),
+    so the copy is what ``target`` would compute; its ``metrics.json`` names ``strategy``.
+    """
+    done, here = round_dir(source, 0) / "metrics.json", round_dir(target, 0)
+    if not done.is_file() or (here / "metrics.json").is_file():
+        return False
+    staging = Path(target) / "round-0.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(here, ignore_errors=True)  # an unfinished round 0 of target's own
+    shutil.copytree(round_dir(source, 0), staging)
+    metrics = {**json.loads(done.read_text()), "strategy": strategy, "copied_from": str(Path(source).name)}
+    atomic_write_bytes(staging / "metrics.json", json_bytes(json_round_trip(metrics)))
+    staging.rename(here)
+    return True

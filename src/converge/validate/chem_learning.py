@@ -17,6 +17,10 @@ Spreads from an ensemble's served outputs (total energy, hartree; forces, hartre
   among atoms differently (self-energies fitted on each member's own split), so
   their atomic energies disagree even where the totals agree;
 - force per atom: ``|sigma_F_i|``, the norm over x, y, z of the per-component std.
+
+For batch diversity a conformer is the vector of its interatomic distances
+``r_ij`` (i < j, Å): unchanged by rotation and translation, so two candidates are
+close exactly when their shapes are (up to a mirror image).
 """
 from __future__ import annotations
 
@@ -56,6 +60,13 @@ def energy_spread_per_atom(energy_std: torch.Tensor, species: torch.Tensor) -> t
 def atom_force_spread(forces_std: torch.Tensor) -> torch.Tensor:
     """Per-atom force spread ``sqrt(sum_xyz std_c^2)``: (B, A, 3) -> (B, A)."""
     return torch.linalg.vector_norm(forces_std, dim=-1)
+
+
+def interatomic_distances(coordinates: np.ndarray) -> np.ndarray:
+    """Distances ``r_ij`` (i < j) of each conformer, Å: (N, A, 3) -> (N, A (A - 1) / 2)."""
+    coordinates = np.asarray(coordinates, dtype=np.float64)
+    i, j = np.triu_indices(coordinates.shape[1], k=1)
+    return np.linalg.norm(coordinates[:, i] - coordinates[:, j], axis=-1)
 
 
 def chem_spread(prediction: EnsemblePrediction, species: torch.Tensor | np.ndarray) -> ChemSpread:
@@ -126,6 +137,10 @@ class ChemLearning:
         """``sigma_E / sqrt(N_atoms)`` in kcal/mol per candidate."""
         species = torch.as_tensor(np.asarray(inputs["species"]))
         return hartree_to_kcal_mol(energy_spread_per_atom(prediction.std["energy"], species).numpy())
+
+    def descriptors(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Interatomic distances (N, A (A - 1) / 2) Å: alike conformers are close (batch diversity)."""
+        return interatomic_distances(inputs["coordinates"])
 
     def held_out(self, ensemble: EnsembleModel, arrays: Mapping[str, np.ndarray],
                  params: Mapping[str, np.ndarray]) -> HeldOut:
