@@ -173,3 +173,20 @@ def test_report_renders_to_a_non_blank_png(results, tmp_path):
     gray = image[..., :3].mean(axis=-1)
     assert gray.std() > 0.05  # text, tables and figures, not one flat colour
     assert np.mean(gray < 0.5) > 0.005  # dark pixels: text was drawn
+
+
+def test_trust_and_peer_tables_carry_the_headline_numbers():
+    from converge.bench.report_tables import serve_tables, trust_tables
+
+    trust = {"active": {"dft_calls": [8, 16], "test_mae": [1.5, 0.45]}, "random": {"dft_calls": [8, 16],
+             "test_mae": [1.5, 0.41]}, "spread": {"by_seed": [], "in_distribution": {
+                 "mean_energy_spread_per_atom_kcal_mol": 0.157, "ood_flagged_fraction": 0.01}}}
+    curve, spread = trust_tables(trust)
+    assert curve.header == ["strategy", "8", "16"] and curve.rows[0][0] == "active" and len(curve.rows) == 2
+    assert [row[0] for row in spread.rows] == ["in_distribution"]
+    rep = {"precision": "bf16", "device": "cpu", "model_only_best": {"samples_per_s": 6000.0, "batch_size": 64},
+           "peers": {"mlserver": {}}, "peer": "mlserver", "peer_throughput_at_equal_p99": 977.0,
+           "gain_vs_peer_at_equal_p99": 1.89}
+    tables = serve_tables({"gw": rep})
+    assert len(tables) == 2 and tables[1].rows[0][:2] == ["gw", "mlserver"]
+    assert len(serve_tables({"gw": {k: v for k, v in rep.items() if k != "peers"}})) == 1

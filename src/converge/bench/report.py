@@ -67,6 +67,9 @@ SECTIONS: tuple[Section, ...] = (
             "(benchmarks/precision.py).", tables.precision_tables),
     Section("gw", "gw: CNN against matched filtering", ("gw",), "the detection CNN against the template bank on "
             "the same fixed test windows (converge evaluate gw).", tables.gw_tables),
+    Section("trust", "Trust: active learning and uncertainty", ("trust",), "query by committee against random "
+            "sampling at equal DFT calls, and the ensemble spread off the training data (benchmarks/trust.py).",
+            tables.trust_tables),
     Section("chem", "chem: network potential against DFT", ("chem",), "energy and force errors against DFT, "
             "beside GFN2-xTB, and the speed-up (converge evaluate chem).", tables.chem_tables),
 )

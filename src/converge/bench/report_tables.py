@@ -106,9 +106,27 @@ def serve_tables(r: Mapping[str, Any]) -> list[Table]:
                      fmt(rep.get("throughput_single_unbatched")), fmt(rep.get("throughput_batched_best")),
                      fmt(rep.get("concurrency_batched_best")), fmt(rep.get("p99_ms_batched_best")),
                      fmt(rep.get("gain_vs_single_unbatched")), percent(rep.get("fraction_of_model_best"))])
-    return [Table("converge serve: samples/s", ["app", "precision", "device", "model alone, best",
-                                                "1 client, unbatched", "batched, best", "at concurrency",
-                                                "p99 ms there", "gain", "of model alone"], rows)]
+    out = [Table("converge serve: samples/s", ["app", "precision", "device", "model alone, best",
+                                               "1 client, unbatched", "batched, best", "at concurrency",
+                                               "p99 ms there", "gain", "of model alone"], rows)]
+    peers = [[app, rep.get("peer"), fmt(rep.get("peer_throughput_at_equal_p99")), fmt(rep.get("peer_p99_ms_best")),
+              fmt(rep.get("throughput_at_peer_p99")), fmt(rep.get("p99_ms_at_peer_p99")),
+              fmt(rep.get("gain_vs_peer_at_equal_p99"))] for app, rep in r.items() if rep.get("peers")]
+    if peers:
+        out.append(Table("against the better peer over JSON, at equal or lower p99 (target gain 1.3)",
+                         ["app", "peer", "peer best samples/s", "its p99 ms", "converge samples/s", "p99 ms",
+                          "gain"], peers))
+    return out
+
+
+def trust_tables(r: Mapping[str, Any]) -> list[Table]:
+    """Learning curves (test energy MAE against DFT calls) and the ensemble spread in and out of distribution."""
+    curve = [[name, *(fmt(e) for e in r[name]["test_mae"])] for name in ("active", "random")]
+    rows = [[k, fmt(v.get("mean_energy_spread_per_atom_kcal_mol")), percent(v.get("ood_flagged_fraction"))]
+            for k, v in r["spread"].items() if isinstance(v, dict) and "mean_energy_spread_per_atom_kcal_mol" in v]
+    return [Table("test energy MAE (kcal/mol) by DFT calls", ["strategy", *map(str, r["active"]["dft_calls"])],
+                  curve),
+            Table("ensemble spread per atom (kcal/mol)", ["inputs", "spread", "flagged out of distribution"], rows)]
 
 
 def surrogate_tables(r: Mapping[str, Any]) -> list[Table]:
