@@ -1,29 +1,38 @@
 """Trust the surrogate: active learning against random sampling, and the spread off the training data.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --out runs/trust          # ~40 min on a quiet core
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --out runs/trust          # ~45 min on a quiet core
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --quick --out /tmp/trust  # ~1-2 min, smoke test
 
 Setting (chem app, methanol, DFT at the ``fast`` level, B3LYP/6-31G*): every
-candidate is a normal-mode-sampled conformer, in equal shares at 150, 300, 600
-and 1200 K (``--temperatures``), the ANI-style way of drawing a data set: many
-near-equilibrium conformers, fewer strained ones. For each of ``--seeds``, both
-strategies start from the same ``--initial`` DFT conformers (round 0 is computed
-once and shared) and, over ``--rounds`` rounds, label ``--budget`` more, a round
-at a time, from fresh pools of ``--pool`` conformers: the ensemble's highest
-energy spread per sqrt(atom) (query by committee, as ANI-1x; with ``--diversity``
-a pick closer than that fraction of the pool's median distance in interatomic
-distances to an earlier pick of the round is skipped), or random ones. After each
-round a fresh ``--members``-model ensemble is tested on the seed's held-out DFT
-set, ``--test`` conformers drawn from the same temperatures in the same shares,
-the same for both strategies. Curves are averaged over the seeds;
+candidate is a normal-mode-sampled conformer at 150, 300, 600 or 1200 K
+(``--temperatures``). The candidate sampler is cheap and mostly yields
+near-equilibrium conformers: shares 8:4:2:1 from cold to hot (``--shares``), for
+the initial set and every pool alike. The surrogate must answer over the whole
+range, so the held-out DFT test set (``--test`` conformers a seed, the same for
+both strategies) takes every temperature in equal shares. That is the case
+active learning is for (ANI-1x was tested on COMP6, not on its own sampler's
+output): random picks follow the sampler, query by committee looks for what it
+rarely makes. ``test_mae_candidate_weighted`` also reports the error weighted as
+the candidates were; ``--shares 1,1,1,1`` draws the candidates like the test set
+(session 3 measured that: a tie at 40 calls).
+
+For each of ``--seeds``, both strategies start from the same ``--initial`` DFT
+conformers (round 0 is computed once and shared) and, over ``--rounds`` rounds,
+label ``--budget`` more, a round at a time, from fresh pools of ``--pool``
+conformers: the ensemble's highest energy spread per sqrt(atom) (query by
+committee, as ANI-1x; with ``--diversity`` a pick closer than that fraction of
+the pool's median distance in interatomic distances to an earlier pick of the
+round is skipped), or random ones. After each round a fresh ``--members``-model
+ensemble is tested on the seed's test set. Curves are averaged over the seeds;
 ``calls_to_reach_random_final`` is where the mean active curve, interpolated
 linearly between rounds, reaches the mean random curve's final error. Then each
 seed's last active ensemble's spread on its test set (in distribution) is set
 against its spread on much hotter conformers and on a molecule it never saw,
 beside what the out-of-distribution check says about each.
 
-DFT takes about 0.5 s a conformer here; training the 9 ensembles of a seed takes ~90% of
-the time (~13 min a seed on a quiet core; 60 min for the three seeds on a shared, busy one).
+DFT takes about 0.5 s a conformer here. Members write a checkpoint every
+``--checkpoint-every`` epochs: a write (~40 ms) costs four epochs on these small
+sets, and writing every epoch made checkpoints 70% of the training time.
 
 Writes ``benchmarks/results/trust.json`` and ``trust_learning_curve.png`` (with
 ``--quick``, ``OUT/trust.json`` and ``OUT/learning_curve.png`` only). Every stage resumes.
@@ -84,8 +93,12 @@ def out_of_distribution(app: ChemApp, cfg: ChemConfig, problem: ChemLearning, en
     }
 
 
-def summarise(curves: list[list[dict]]) -> dict:
-    """One strategy's curves over the seeds: the seed means, and each seed's values."""
+def summarise(curves: list[list[dict]], problem: ChemLearning) -> dict:
+    """One strategy's curves over the seeds: the seed means, and each seed's values.
+
+    ``test_mae_candidate_weighted`` weighs the per-temperature test errors by the candidate
+    sampler's shares: the error on conformers distributed as the pools were.
+    """
     keys = {"test_mae": "energy_mae_kcal_mol", "test_force_mae": "force_mae_kcal_mol_A",
             "mean_spread": "mean_energy_spread_kcal_mol"}
     calls, _ = mean_curve(curves, keys["test_mae"])
@@ -96,6 +109,9 @@ def summarise(curves: list[list[dict]]) -> dict:
     out["test_mae_by_temperature"] = [
         {t: float(np.mean([curve[r]["energy_mae_by_temperature"][t] for curve in curves]))
          for t in curves[0][r]["energy_mae_by_temperature"]} for r in range(len(calls))]
+    weights = dict(zip((f"{t:g}" for t in problem.temperatures), problem.shares or [1.0] * len(problem.temperatures)))
+    out["test_mae_candidate_weighted"] = [sum(weights[t] * mae for t, mae in row.items()) / sum(weights.values())
+                                          for row in out["test_mae_by_temperature"]]
     out["spearman_spread_error"] = mean_curve([[h["calibration"] | {"simulator_calls": h["simulator_calls"]}
                                                 for h in curve] for curve in curves], "spearman")[1]
     return out
@@ -154,18 +170,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/trust"))
     ap.add_argument("--molecule", default="methanol")
     ap.add_argument("--initial", type=int, default=8)
-    ap.add_argument("--budget", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=72)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--pool", type=int, default=1024)
     ap.add_argument("--members", type=int, default=4)
     ap.add_argument("--test", type=int, default=48)
     ap.add_argument("--epochs", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--checkpoint-every", type=int, default=25,
+                    help="epochs between a member's checkpoint writes (a write costs ~4 epochs here)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated; the same seeds for both strategies")
     ap.add_argument("--diversity", type=float, default=0.3,
                     help="qbc batch diversity as a fraction of the pool's median distance (0: plain top-k)")
     ap.add_argument("--temperatures", default="150,300,600,1200", help="pool and test temperatures in K")
+    ap.add_argument("--shares", default="8,4,2,1",
+                    help="the candidate sampler's shares of --temperatures (initial set and pools); the test set "
+                         "takes every temperature alike. 1,1,1,1: candidates drawn like the test set")
     ap.add_argument("--ood-temperature", type=float, default=2400.0)
     ap.add_argument("--unseen-molecule", default="ethanol")
     ap.add_argument("--n-ood", type=int, default=64)
@@ -178,8 +199,10 @@ def main() -> None:
     torch.set_num_threads(1)
     app, cfg = ChemApp(), ChemConfig(molecule=args.molecule, level="fast")
     train_cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.epochs,
-                            precision="fp32")
-    problem = ChemLearning(app, cfg, temperatures=tuple(float(t) for t in args.temperatures.split(",")))
+                            precision="fp32", checkpoint_every=args.checkpoint_every)
+    shares = tuple(float(w) for w in args.shares.split(","))
+    problem = ChemLearning(app, cfg, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                           shares=shares)
     t0 = time.perf_counter()
     runs = {}
     for seed in seeds:
@@ -188,7 +211,7 @@ def main() -> None:
             pool_size=args.pool, seed=seed, members=args.members, n_test=args.test, diversity=args.diversity,
             train_cfg=train_cfg, progress=False, problem=problem)
     learn_s = time.perf_counter() - t0
-    results: dict = {name: summarise([runs[s][name] for s in seeds]) for name in STRATEGIES}
+    results: dict = {name: summarise([runs[s][name] for s in seeds], problem) for name in STRATEGIES}
     final_random = results["random"]["test_mae"][-1]
     reach = calls_to_reach(results["active"]["dft_calls"], results["active"]["test_mae"], final_random,
                            interpolate=True)
@@ -217,7 +240,10 @@ def main() -> None:
     results["calibration"] = calibration
     results["settings"] = {
         "molecule": args.molecule, "level_of_theory": cfg.level_of_theory, "temperatures_K": list(problem.temperatures),
-        "pool_and_test_distribution": "normal-mode conformers, equal shares per temperature; test drawn alike",
+        "candidate_shares": list(shares),
+        "pool_and_test_distribution": "normal-mode conformers; candidates (initial set, pools) in candidate_shares "
+                                      "per temperature, the test set in equal shares",
+        "checkpoint_every": args.checkpoint_every,
         "initial": args.initial, "budget": args.budget, "rounds": args.rounds, "calls_per_round": args.budget // args.rounds,
         "pool_size": args.pool, "members": args.members, "n_test_per_seed": args.test, "epochs": args.epochs,
         "batch_size": args.batch_size, "lr": args.lr, "seeds": seeds, "diversity": args.diversity,

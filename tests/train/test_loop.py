@@ -55,6 +55,38 @@ def test_resume_continues_at_the_next_epoch_and_matches_an_uninterrupted_run(arr
     assert [json.loads(x)["epoch"] for x in lines] == [0, 1, 2]
 
 
+class KilledAt(GWApp):
+    """The gw app, but the process "dies" as epoch ``at`` starts."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_epoch_start(self, source, epoch, epochs):
+        if epoch == self.at:
+            raise KeyboardInterrupt(f"killed at epoch {epoch}")
+        super().on_epoch_start(source, epoch, epochs)
+
+
+def test_sparse_checkpoints_resume_from_the_last_write_and_match_every_epoch_checkpoints(arrays, tmp_path):
+    app = GWApp()
+    dense = train(app, CFG, small(epochs=5), arrays, tmp_path / "dense", progress=False)
+    with pytest.raises(KeyboardInterrupt):  # epochs 0-2 ran; only epoch 1 was written (every 2nd)
+        train(KilledAt(3), CFG, small(epochs=5, checkpoint_every=2), arrays, tmp_path / "sparse", progress=False)
+    assert load_checkpoint(tmp_path / "sparse" / "last.pt")["epoch"] == 1
+    resumed = train(app, CFG, small(epochs=5, checkpoint_every=2), arrays, tmp_path / "sparse", resume=True,
+                    progress=False)
+    assert resumed.epochs_run == 3 and [h["epoch"] for h in resumed.history] == [0, 1, 2, 3, 4]
+    assert load_checkpoint(tmp_path / "sparse" / "last.pt")["epoch"] == 4  # the last epoch is always written
+    for which in ("last", "best"):  # best.pt holds the best epoch's model, kept in memory until the next write
+        a = load_checkpoint(tmp_path / "dense" / f"{which}.pt")
+        b = load_checkpoint(tmp_path / "sparse" / f"{which}.pt")
+        assert a["epoch"] == b["epoch"] and a["best_epoch"] == b["best_epoch"] == dense.best_epoch
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), (which, key)
+    with pytest.raises(Exception, match="checkpoint_every=0: must be >= 1"):
+        small(checkpoint_every=0)
+
+
 def test_training_learns_loud_signals(arrays, tmp_path):
     cfg = GWConfig(channels=(8, 8, 16), hidden=16, snr_min=15.0, snr_max=30.0, curriculum_snr=15.0)
     res = train(GWApp(), cfg, small(epochs=4, lr=3e-3), arrays, tmp_path, progress=False)

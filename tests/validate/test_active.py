@@ -24,6 +24,7 @@ from converge.validate.chem_learning import (
     atom_force_spread,
     energy_spread_per_atom,
     interatomic_distances,
+    share_sequence,
 )
 from converge.validate.ensemble import EnsemblePrediction
 from converge.validate.ood import check_in_distribution, load_envelope
@@ -171,6 +172,22 @@ def test_median_distance_and_interatomic_descriptors():
     np.testing.assert_allclose(interatomic_distances(water), [[1.0, 2.0, 5**0.5]])
     problem = ChemLearning(ChemApp(), ChemConfig(molecule="water"))
     assert problem.descriptors({"coordinates": water}).shape == (1, 3)
+
+
+def test_candidates_follow_their_shares_and_the_test_set_takes_every_temperature_alike():
+    assert share_sequence([1, 1, 1], 7) == [0, 1, 2, 0, 1, 2, 0]  # equal shares: a plain cycle
+    order = share_sequence([8, 4, 2, 1], 150)
+    for n in range(1, 151):  # every prefix holds each temperature within one of its quota
+        counts = np.bincount(order[:n], minlength=4)
+        assert np.all(np.abs(counts - n * np.array([8, 4, 2, 1]) / 15) < 1), n
+    problem = ChemLearning(ChemApp(), ChemConfig(molecule="water"), temperatures=(300.0, 1200.0), shares=(3, 1))
+    pool = [p["temperature"] for p in problem.draw(seed=5, n=40)]
+    assert pool.count(300.0) == 30 and pool.count(1200.0) == 10
+    test = [p["temperature"] for p in problem.draw_test(seed=5, n=40)]
+    assert test.count(300.0) == test.count(1200.0) == 20
+    assert problem.settings["candidate_shares"] == [3.0, 1.0]
+    with pytest.raises(ValueError, match="one share > 0 per temperature"):
+        ChemLearning(ChemApp(), ChemConfig(molecule="water"), temperatures=(300.0, 1200.0), shares=(1,))
 
 
 def test_interpolated_calls_to_reach_and_mean_curves():

@@ -2,10 +2,15 @@
 
 ``train(app, app_cfg, cfg, arrays, run_dir)`` knows nothing of the science: the
 app supplies the model, the batch sources, the loss and the metrics. Each epoch
-ends with validation, a JSON line in ``metrics.jsonl``, TensorBoard scalars and
-an atomic ``last.pt`` (and ``best.pt`` when the monitored metric improved).
+ends with validation, a JSON line in ``metrics.jsonl`` and TensorBoard scalars;
+every ``checkpoint_every`` epochs (and at the run's end) an atomic ``last.pt`` is
+written, with ``best.pt`` (the model and state of the best epoch so far, kept in
+memory between writes) when the monitored metric improved since the last write.
 ``resume=True`` continues from ``last.pt`` at the next epoch with every RNG
-restored, so the resumed run sees the same batches an uninterrupted one would.
+restored, so the resumed run sees the same batches an uninterrupted one would; a
+kill between writes loses at most ``checkpoint_every - 1`` epochs. Writing a
+checkpoint costs ~40 ms for the chem model here (serialise, fsync, verify), four
+times an epoch on a small active-learning set: those runs write every 25.
 
 Under ``torchrun`` every rank calls ``train`` with the same arguments: the model
 trains data-parallel (DDP) or, with ``cfg.shard``, fully sharded (FSDP2, with
@@ -58,6 +63,7 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
     grad_accum_steps: int = 1  # micro-steps per optimizer step; gradients are synchronised on the last only
     shard: bool = False  # FSDP2: shard parameters, gradients and optimizer state over the ranks
+    checkpoint_every: int = 1  # epochs between checkpoint writes (and always the run's last epoch)
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -85,6 +91,11 @@ class TrainConfig:
             raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by train.grad_accum_steps="
                               f"{self.grad_accum_steps}: each optimizer step is split into equal micro-batches; "
                               f"use a batch size that is a multiple of {self.grad_accum_steps}")
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"train.checkpoint_every={self.checkpoint_every}: must be >= 1 (1: every epoch)")
+        if self.shard and self.checkpoint_every != 1:
+            raise ConfigError(f"train.checkpoint_every={self.checkpoint_every} with train.shard=true: sharded runs "
+                              "write their checkpoints every epoch; leave checkpoint_every at 1")
         if self.shard and self.precision == "fp16":
             raise ConfigError("train.shard=true with train.precision='fp16': fp16's gradient scaler is not "
                               "supported on sharded parameters; use bf16 or fp32, or train without --shard")
@@ -240,7 +251,7 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
             history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
             history = [h for h in history if h["epoch"] < start_epoch]
         history = broadcast_from_main(history)
-    writer = None
+    writer, best_payload = None, None  # best_payload: the best epoch's state, not yet written
     if ranks.main:
         if ckpt is None:
             remove_checkpoints(run_dir)  # a fresh run in an old folder: no stale best or last
@@ -287,14 +298,22 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
             meta = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
                     "epoch": epoch, "best_value": best_value, "best_epoch": best_epoch,
                     "bad_epochs": bad_epochs, "samples_seen": samples_seen, "config": config}
+            last_epoch = (epoch + 1 >= cfg.epochs or bad_epochs >= cfg.patience
+                          or (stop_after is not None and epoch + 1 - start_epoch >= stop_after))
+            write = last_epoch or (epoch + 1) % cfg.checkpoint_every == 0
             if cfg.shard:
                 save_sharded_checkpoint(run_dir / "last.dcp", wrapped, optimizer, meta, ranks.main,
                                         also=run_dir / "best.dcp" if improved else None)
             elif ranks.main:
-                payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}
-                if improved:
-                    save_checkpoint(run_dir / "best.pt", payload)
-                save_checkpoint(run_dir / "last.pt", payload)
+                if improved:  # a copy: the live tensors change with the next step
+                    best_payload = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                                    **meta}
+                if write:
+                    if best_payload is not None:
+                        save_checkpoint(run_dir / "best.pt", best_payload)
+                        best_payload = None
+                    save_checkpoint(run_dir / "last.pt",
+                                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta})
             if ranks.main:
                 _log_epoch(run_dir, writer, record)
             if bar:

@@ -85,6 +85,10 @@ class LearningProblem(Protocol):
     def draw(self, seed: int, n: int) -> list[dict[str, float]]:
         """``n`` candidates' parameters from the prior, deterministic in ``seed``; no simulator call."""
 
+    def draw_test(self, seed: int, n: int) -> list[dict[str, float]]:
+        """The held-out set's ``n`` parameters: the range the surrogate must answer for (may differ from
+        what the cheap candidate sampler of :meth:`draw` yields)."""
+
     def inputs(self, params: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
         """Model inputs (``serve_predict`` names, batch axis first) of candidates, without the simulator."""
 
@@ -265,7 +269,7 @@ def run_active_learning(
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_settings(out_dir, app, problem, learn, train_cfg)
     test_root = Path(test_dir) if test_dir else out_dir / "test"
-    test_params = problem.draw(stream_seed(seed, STREAM_TEST), n_test)
+    test_params = problem.draw_test(stream_seed(seed, STREAM_TEST), n_test)
     test_store = label_into_store(problem, test_params, test_root, stream_seed(seed, STREAM_TEST),
                                   {"purpose": "active-learning test set"})
     test = (test_store.load(list(problem.app.schema(problem.app_cfg))), test_store.params())

@@ -4,9 +4,14 @@ Candidates are normal-mode-sampled conformers (:func:`~converge.apps.chem.sampli
 around the GFN2-xTB minimum): cheap to draw by the thousand. A candidate is its
 parameters ``{"conformer_seed", "temperature"}``; its geometry is what the app's
 simulator draws from them, so labelling one is ``app.simulate`` at that
-temperature (checked to give the same geometry). The temperatures cycle through
-``temperatures`` (default the app's and twice it, as the chem benchmarks' "hot"
-set), so pools and the test set hold some high-energy conformers.
+temperature (checked to give the same geometry). Candidates (the initial set and
+the pools) take ``temperatures`` (default the app's and twice it, as the chem
+benchmarks' "hot" set) in the proportions ``shares`` (default equal); the test
+set (:meth:`ChemLearning.draw_test`) always takes them in equal shares. A cheap
+sampler that mostly yields near-equilibrium conformers (shares falling with
+temperature) while the surrogate must answer over the whole range is the case
+active learning is for: random picks follow the sampler, query by committee
+looks for what the sampler rarely makes.
 
 Spreads from an ensemble's served outputs (total energy, hartree; forces, hartree/Å):
 
@@ -69,6 +74,19 @@ def interatomic_distances(coordinates: np.ndarray) -> np.ndarray:
     return np.linalg.norm(coordinates[:, i] - coordinates[:, j], axis=-1)
 
 
+def share_sequence(shares: Sequence[float], n: int) -> list[int]:
+    """``n`` indices into ``shares``, each as often as its share says, spread evenly (smooth weighted
+    round robin: every prefix is within one of its quota). Equal shares cycle 0, 1, 2, ..."""
+    weights = np.asarray(shares, dtype=np.float64)
+    credit, out = np.zeros(len(weights)), []
+    for _ in range(n):
+        credit += weights
+        k = int(np.argmax(np.round(credit, 9)))  # the first of the most owed (rounded: ties stay ties)
+        credit[k] -= weights.sum()
+        out.append(k)
+    return out
+
+
 def chem_spread(prediction: EnsemblePrediction, species: torch.Tensor | np.ndarray) -> ChemSpread:
     """Means and spreads of an ensemble's chem outputs (``EnsembleModel.predict``)."""
     species = torch.as_tensor(np.asarray(species))
@@ -83,17 +101,21 @@ class ChemLearning:
     curve_metrics = ("energy_mae_kcal_mol", "force_mae_kcal_mol_A")
 
     def __init__(self, app: Any, app_cfg: ChemConfig, temperatures: Sequence[float] | None = None,
-                 target_error: float = CHEMICAL_ACCURACY_KCAL_MOL) -> None:
+                 target_error: float = CHEMICAL_ACCURACY_KCAL_MOL, shares: Sequence[float] | None = None) -> None:
         self.app, self.app_cfg = app, app_cfg
         self.temperatures = tuple(float(t) for t in (temperatures or (app_cfg.temperature, 2 * app_cfg.temperature)))
         if not self.temperatures or min(self.temperatures) <= 0:
             raise ValueError(f"temperatures={self.temperatures}: give one or more temperatures > 0 K")
+        self.shares = None if shares is None else tuple(float(w) for w in shares)
+        if self.shares is not None and (len(self.shares) != len(self.temperatures) or min(self.shares) <= 0):
+            raise ValueError(f"shares={self.shares}: give one share > 0 per temperature {self.temperatures}")
         self.target_error = float(target_error)
         self.species = get_molecule(app_cfg.molecule).atomic_numbers  # (A,)
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"temperatures": list(self.temperatures), "target_error_kcal_mol": self.target_error}
+        out = {"temperatures": list(self.temperatures), "target_error_kcal_mol": self.target_error}
+        return out if self.shares is None else {**out, "candidate_shares": list(self.shares)}
 
     def conformer(self, params: Mapping[str, float]) -> np.ndarray:
         """The candidate's geometry (A, 3) Å: the draw ``app.simulate`` makes at its temperature."""
@@ -102,7 +124,15 @@ class ChemLearning:
                                 self.app_cfg.min_distance)
 
     def draw(self, seed: int, n: int) -> list[dict[str, float]]:
-        """``n`` candidates; candidate ``i`` at ``temperatures[i % len]``; unsampleable draws are skipped."""
+        """``n`` candidates, temperatures in ``shares`` (:func:`share_sequence`); unsampleable draws are skipped."""
+        return self._draw(seed, n, self.shares)
+
+    def draw_test(self, seed: int, n: int) -> list[dict[str, float]]:
+        """The held-out set: ``n`` conformers, every temperature in equal shares."""
+        return self._draw(seed, n, None)
+
+    def _draw(self, seed: int, n: int, shares: Sequence[float] | None) -> list[dict[str, float]]:
+        order = share_sequence(shares or [1.0] * len(self.temperatures), n)
         out: list[dict[str, float]] = []
         index = 0
         while len(out) < n:
@@ -110,7 +140,7 @@ class ChemLearning:
                 raise SamplingError(f"fewer than {n} of {index} NMS draws gave a valid conformer; "
                                     f"lower the temperatures {self.temperatures} or app.min_distance")
             params = {**draw_parameters(self.app, self.app_cfg, seed, index),
-                      "temperature": self.temperatures[len(out) % len(self.temperatures)]}
+                      "temperature": self.temperatures[order[len(out)]]}
             index += 1
             try:
                 self.conformer(params)

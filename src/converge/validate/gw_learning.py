@@ -75,6 +75,10 @@ class GWLearning:
         return [{**draw_parameters(self.app, cfg, seed, i), "noise_seed": float(rng.integers(NOISE_SEED_RANGE)),
                  "snr": float(rng.uniform(cfg.snr_min, cfg.snr_max))} for i in range(n)]
 
+    def draw_test(self, seed: int, n: int) -> list[dict[str, float]]:
+        """The held-out binaries: drawn as the candidates are, from the prior."""
+        return self.draw(seed, n)
+
     def label(self, params: Mapping[str, float]) -> dict[str, np.ndarray]:
         """The waveform: the app's simulator."""
         return self.app.simulate(self.app_cfg, params)
