@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from converge.apps.base import TensorSpec
 from converge.serve import (AsyncClient, BatchConfig, ModelLoadError, ServedModel, ServerError, ServerSettings,
                             ValidationError, create_app)
+from converge.serve.app import AccessLog
 from converge.serve.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 TOKEN = "s3cret-token"
@@ -247,10 +248,37 @@ def test_access_log_lines_are_json(known, caplog):
         with TestClient(create_app({"linear": known.model()})) as c:
             c.get("/v2/models/linear")
             c.get("/v2/models/missing")
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "converge.serve.access"]
+    lines = [json.loads(line) for r in caplog.records if r.name == "converge.serve.access"
+             for line in r.getMessage().splitlines()]
     assert [(x["method"], x["path"], x["status"]) for x in lines] == [
         ("GET", "/v2/models/linear", 200), ("GET", "/v2/models/missing", 404)]
     assert all(x["ms"] >= 0 and "ts" in x for x in lines)
+
+
+def test_access_log_writes_every_line_in_order_in_few_records_and_bounds_its_backlog(caplog):
+    logger = logging.getLogger("converge.test.access")
+    log = AccessLog(logger, interval_s=0.01, max_pending=5000)
+    with caplog.at_level(logging.INFO, logger="converge.test.access"):
+        log.start()
+        for i in range(3000):  # the event loop's side: a tuple per request
+            log.note(float(i), "POST", "/v2/models/m/infer", 200, 0.5, "127.0.0.1", i)
+        log.close()
+        records = [r for r in caplog.records if r.name == "converge.test.access"]
+        lines = [json.loads(line) for r in records for line in r.getMessage().splitlines()]
+        assert [x["bytes_in"] for x in lines] == list(range(3000)) and len(records) < 100
+        assert set(lines[0]) == set(AccessLog.FIELDS) and lines[0]["status"] == 200
+        caplog.clear()
+        full = AccessLog(logger, max_pending=10)  # nobody writes: the backlog stops at 10 lines
+        for i in range(25):
+            full.note(float(i), "GET", "/v2", 200, 0.1, None, 0)
+        full.flush()
+        lines = [json.loads(line) for r in caplog.records for line in r.getMessage().splitlines()]
+        assert len(lines) == 11 and lines[-1]["dropped_access_lines"] == 15
+    with caplog.at_level(logging.WARNING, logger="converge.test.access"):  # below INFO: nothing is written
+        caplog.clear()
+        full.note(0.0, "GET", "/v2", 200, 0.1, None, 0)
+        full.flush()
+        assert not caplog.records and not full._lines
 
 
 def test_access_log_can_be_turned_off(known, caplog):

@@ -1,6 +1,4 @@
 """A real uvicorn server on 127.0.0.1: many threaded clients, Triton's client, and the serve() guards."""
-import io
-import json
 import logging
 import threading
 
@@ -8,8 +6,8 @@ import numpy as np
 import pytest
 
 from converge.serve import BatchConfig, Client, ModelLoadError, ServerSettings, create_app
-from converge.serve.server import (BatchedStreamHandler, ServeConfigError, check_bind, event_loop_and_parser,
-                                   is_loopback, load_runs, logging_off_the_event_loop, parse_run, serve)
+from converge.serve.server import (ServeConfigError, check_bind, event_loop_and_parser, is_loopback, load_runs,
+                                   parse_run, serve)
 
 
 def test_many_threaded_clients_each_get_their_own_answer(known, live_server):
@@ -122,21 +120,3 @@ def test_uvloop_and_httptools_are_chosen_when_installed(monkeypatch, caplog):
     assert "httptools not installed" in caplog.text and "uvicorn[standard]" in caplog.text
 
 
-def test_batched_log_handler_writes_every_line_in_order_off_the_caller():
-    stream = io.StringIO()
-    logger = logging.getLogger("converge.test.batched")
-    logger.setLevel(logging.INFO)
-    with logging_off_the_event_loop(logger, interval_s=0.01) as handler:
-        assert isinstance(handler, BatchedStreamHandler)
-        handler.stream = stream
-        threads = [threading.Thread(target=lambda k=k: [logger.info(json.dumps({"k": k, "i": i})) for i in range(500)])
-                   for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    assert len(lines) == 2000
-    for k in range(4):
-        assert [x["i"] for x in lines if x["k"] == k] == list(range(500))
-    assert handler not in logger.handlers and logger.propagate

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import gc
 import hmac
-import json
 import logging
+import threading
 import time
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import anyio
+import orjson
 import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -129,15 +131,66 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-class AccessLine(dict):
-    """One access log record's fields; rendered as a JSON line only when a handler formats it.
+class AccessLog:
+    """The access log: one JSON line per request on the ``converge.serve.access`` logger, at INFO.
 
-    So the event loop pays for a dict, and the JSON is written by whichever
-    thread writes the log (see ``server.BatchedStreamHandler``).
+    The event loop only appends a tuple per request (:meth:`note`); a background
+    thread renders what has piled up every ``interval_s`` (orjson) and logs it as
+    one record, its lines joined by newlines. A ``LogRecord`` per request cost the
+    event loop ~20 us and, at 4,000 requests/s, its writer fell behind: memory
+    grew by 4 MB/s, p99 went from 30 to 150 ms within 30 s, and the server
+    answered 25 % fewer requests than with no log. At most ``max_pending`` lines
+    wait; past that they are counted in ``dropped`` (and said in the next
+    record), never held without bound.
     """
 
-    def __str__(self) -> str:
-        return json.dumps(self)
+    FIELDS = ("ts", "method", "path", "status", "ms", "client", "bytes_in")
+
+    def __init__(self, logger: logging.Logger = access_log, interval_s: float = 0.2,
+                 max_pending: int = 100_000) -> None:
+        self.logger, self.interval_s, self.max_pending = logger, interval_s, max_pending
+        self._lines: deque[tuple] = deque()  # appended on the event loop, popped by the writer: no lock needed
+        self.dropped = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def note(self, *fields) -> None:
+        """One request's :attr:`FIELDS`, in order (called on the event loop)."""
+        if len(self._lines) < self.max_pending:
+            self._lines.append(fields)
+        else:
+            self.dropped += 1
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write_periodically, name="access-log", daemon=True)
+            self._thread.start()
+
+    def flush(self) -> None:
+        """Log every waiting line now, as one record (dropped if the logger is below INFO)."""
+        lines = []
+        while self._lines:
+            lines.append(orjson.dumps(dict(zip(self.FIELDS, self._lines.popleft()))).decode())
+        dropped, self.dropped = self.dropped, 0
+        if not self.logger.isEnabledFor(logging.INFO):
+            return
+        if dropped:
+            lines.append(orjson.dumps({"dropped_access_lines": dropped,
+                                       "why": f"more than {self.max_pending} lines waited to be written"}).decode())
+        if lines:
+            self.logger.info("\n".join(lines))
+
+    def _write_periodically(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    def close(self) -> None:
+        """Stop the writer and log what is left."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.flush()
 
 
 class GuardAndLog:
@@ -148,8 +201,9 @@ class GuardAndLog:
     ~20 % of the event loop's time under load.
     """
 
-    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics) -> None:
-        self.app, self.settings, self.metrics = app, settings, metrics
+    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics,
+                 log: AccessLog | None = None) -> None:
+        self.app, self.settings, self.metrics, self.log = app, settings, metrics, log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -174,12 +228,11 @@ class GuardAndLog:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.http_request(scope["method"], route, status)
-            if self.settings.access_log and access_log.isEnabledFor(logging.INFO):
+            if self.log is not None:
                 client = scope.get("client")
-                access_log.info(AccessLine(
-                    ts=round(time.time(), 3), method=scope["method"], path=scope["path"], status=status,
-                    ms=round(1e3 * (time.perf_counter() - t0), 3), client=client[0] if client else None,
-                    bytes_in=int(header(scope, b"content-length") or 0)))
+                self.log.note(round(time.time(), 3), scope["method"], scope["path"], status,
+                              round(1e3 * (time.perf_counter() - t0), 3), client[0] if client else None,
+                              int(header(scope, b"content-length") or 0))
 
 
 class LabelledRoute(Route):
@@ -286,6 +339,7 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
     models = {name: replace(m, server_outputs=(*m.server_outputs, SOURCE)) if name in gates else m
               for name, m in models.items()}
     batchers = {name: model_batcher(m, settings.batch, metrics) for name, m in models.items()}
+    log = AccessLog() if settings.access_log else None
     for name, b in batchers.items():
         metrics.queued.labels(name).set_function(lambda b=b: b.queued_samples)
 
@@ -298,10 +352,14 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
             # collection of it stalled every request in flight for tens of milliseconds, the p99 under load
             gc.collect()
             gc.freeze()
+            if log is not None:
+                log.start()
             yield
         finally:  # finish what is queued
             for b in batchers.values():
                 await anyio.to_thread.run_sync(b.close)
+            if log is not None:
+                log.close()
             for g in gates.values():
                 g.close()
 
@@ -319,7 +377,7 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(err.detail)}, err.status_code)
 
-    app.add_middleware(GuardAndLog, settings=settings, metrics=metrics)
+    app.add_middleware(GuardAndLog, settings=settings, metrics=metrics, log=log)
 
     def find(name: str, version: str | None) -> ServedModel:
         return find_model(models, name, version)
@@ -351,7 +409,7 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
     infer = InferEndpoint(models, batchers, settings, metrics, gates)
     for path in ("/v2/models/{name}/versions/{version}/infer", "/v2/models/{name}/infer"):
         app.router.routes.insert(0, LabelledRoute(path, infer, methods=["POST"]))  # first: the router tries in order
-    app.open_infer_lane(app.router.routes[:2], GuardAndLog(infer, settings, metrics))
+    app.open_infer_lane(app.router.routes[:2], GuardAndLog(infer, settings, metrics, log))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,6 +1,7 @@
 """``converge serve``: load runs, build the app, run uvicorn (on uvloop and httptools when installed).
 
-Access log lines are written by a background thread, off the event loop.
+Access log lines are rendered and written by a background thread, off the event loop
+(:class:`~converge.serve.app.AccessLog`).
 Binding to anything but loopback without a token is refused unless
 ``insecure=True``: a served model is an open compute endpoint.
 """
@@ -10,16 +11,12 @@ import importlib.util
 import ipaddress
 import logging
 import sys
-import threading
-from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
 from fastapi import FastAPI
 
 from .app import ServerSettings, create_app
-from .app import access_log as access_logger
 from .batcher import BatchConfig
 from .fallback import TrustConfig
 from .registry import ModelLoadError, ServedModel, load_served_model
@@ -91,60 +88,6 @@ def event_loop_and_parser() -> tuple[str, str]:
     return ("uvloop" if have["uvloop"] else "asyncio"), ("httptools" if have["httptools"] else "h11")
 
 
-class BatchedStreamHandler(logging.Handler):
-    """Keeps records in memory and writes them to ``stream`` from a background thread every ``interval_s``.
-
-    ``emit`` is a deque append on the caller's thread: no lock, no syscall and
-    no other thread woken per record (a ``QueueHandler`` wakes its listener for
-    every record: 8 % of the event loop's GIL time in a profile under load).
-    Lines reach the stream at most ``interval_s`` late, in order; ``close`` writes the rest.
-    """
-
-    def __init__(self, stream=None, interval_s: float = 0.2) -> None:
-        super().__init__()
-        self.stream, self.interval_s = stream or sys.stderr, interval_s
-        self._records: deque[logging.LogRecord] = deque()  # appended and popped from two threads: no lock needed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._flush_periodically, name="log-writer", daemon=True)
-        self._thread.start()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self._records.append(record)
-
-    def flush(self) -> None:
-        lines = []
-        while self._records:
-            lines.append(self.format(self._records.popleft()) + "\n")
-        if lines:
-            self.stream.write("".join(lines))
-            self.stream.flush()
-
-    def _flush_periodically(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.flush()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.flush()
-        super().close()
-
-
-@contextmanager
-def logging_off_the_event_loop(logger: logging.Logger, interval_s: float = 0.2):
-    """Send ``logger``'s records (and only there) to stderr through a :class:`BatchedStreamHandler`."""
-    handler = BatchedStreamHandler(sys.stderr, interval_s)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(handler)
-    propagate, logger.propagate = logger.propagate, False
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
-        handler.close()
-
-
 def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 64,
           max_queue_delay_us: int = 0, max_queue_size: int = 1024, token: str | None = None,
           insecure: bool = False, device: str = "cpu", timeout_s: float = 30.0,
@@ -152,9 +95,8 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
           model_process: bool = True, trust: TrustConfig | None = None) -> None:
     """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues).
 
-    ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, written by a
-    background thread). It still costs the event loop ~20 us a request (up to ~10 % of throughput under
-    load); turn it off where the Prometheus counters at /metrics are enough.
+    ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, rendered and
+    written by a background thread: the event loop keeps a tuple per request).
 
     ``model_process``: each model in a process of its own with its queue (:mod:`converge.serve.worker`);
     False: on a thread of the server, sharing its GIL.
@@ -167,12 +109,11 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
     batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s, model_process)
     if model_process:  # its request and result threads wait for the GIL after each pipe call: not 5 ms each
         sys.setswitchinterval(min(sys.getswitchinterval(), MODEL_PROCESS_SWITCH_INTERVAL_S))
-    app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log, trust), device)
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
+    app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log, trust), device)
     for model in app.state.models.values():
         log.info("serving %s (version %s, %s, %s) at http://%s:%d/v2/models/%s", model.name, model.version,
                  model.platform, model.precision, host, port, model.name)
     loop, http = event_loop_and_parser()
-    with logging_off_the_event_loop(access_logger):
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, loop=loop, http=http,
-                    timeout_graceful_shutdown=int(timeout_s) + 5)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, loop=loop, http=http,
+                timeout_graceful_shutdown=int(timeout_s) + 5)
