@@ -435,6 +435,11 @@ def learn_cmd(
     batch_size: int = typer.Option(8, help="Training batch size."),
     checkpoint_every: int = typer.Option(25, "--checkpoint-every", help="Epochs between a member's checkpoint "
                                          "writes: on a few dozen samples an epoch takes ~10 ms, a write ~40 ms."),
+    temperatures: Optional[str] = typer.Option(None, help="chem: conformer temperatures in K, comma-separated "
+                                               "(default the app's T and 2T)."),
+    shares: Optional[str] = typer.Option(None, help="chem: the candidate sampler's share of each temperature, "
+                                         "e.g. 8,4,2,1 (initial set and pools; default equal). The test set "
+                                         "takes every temperature alike: the range the surrogate must answer for."),
     from_queue: Optional[Path] = typer.Option(None, "--from-queue", help="Instead: turn the simulator answers "
                                               "`converge serve --fallback-queue DIR` kept into a dataset at "
                                               "--out, for `converge train --data`."),
@@ -476,6 +481,16 @@ def learn_cmd(
                                                            "checkpoint_every": checkpoint_every})
         options = dict(initial=initial, budget=budget, rounds=rounds, pool_size=pool, seed=seed, members=members,
                        n_test=test, diversity=diversity, train_cfg=tcfg, progress=True)
+        if temperatures is not None or shares is not None:
+            if application.name != "chem":
+                _fail(f"--temperatures and --shares draw chem conformers; app {application.name!r} has neither")
+            from .config import parse_positive_floats
+            from .validate.chem_learning import ChemLearning
+
+            options["problem"] = ChemLearning(
+                application, app_cfg,
+                temperatures=parse_positive_floats(temperatures, "150,300,600,1200") if temperatures else None,
+                shares=parse_positive_floats(shares, "8,4,2,1") if shares else None)
         if strategy == "both":
             result = compare_strategies(application, app_cfg, out, **options)
             console.print(f"active reaches random's final error with {result['calls_to_reach_random_final']} calls")

@@ -109,6 +109,17 @@ def parse_positive_ints(text: str, example: str) -> tuple[int, ...]:
     return values
 
 
+def parse_positive_floats(text: str, example: str) -> tuple[float, ...]:
+    """``"150,300"`` -> (150.0, 300.0), or a ValueError that shows ``example`` as the fix."""
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{text!r}: give comma-separated numbers, e.g. {example}") from None
+    if not values or not min(values) > 0:
+        raise ValueError(f"{text!r}: give one or more numbers > 0, e.g. {example}")
+    return values
+
+
 def parse_overrides(items: list[str] | None) -> dict[str, dict[str, Any]]:
     """``["train.lr=1e-3", ...]`` -> ``{"train": {"lr": "1e-3"}}`` (coerced later)."""
     out: dict[str, dict[str, Any]] = {}

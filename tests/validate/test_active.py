@@ -233,3 +233,15 @@ def test_learn_cli_passes_diversity_and_rejects_a_bad_one(tmp_path, one_thread, 
     result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "b"), "--diversity", "1.5",
                                             "--set", "app.molecule=water"])
     assert result.exit_code == 2 and "learn.diversity=1.5" in result.output
+    monkeypatch.setattr(active, "run_active_learning", lambda app, cfg, out, **kw: seen.update(kw) or [{}])
+    result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "c"), "--temperatures",
+                                            "300,1200", "--shares", "3,1"])
+    assert result.exit_code == 0, result.output
+    assert seen["problem"].temperatures == (300.0, 1200.0) and seen["problem"].shares == (3.0, 1.0)
+    for args, message in ((["--shares", "3,1,1"], "one share > 0 per temperature"),
+                          (["--shares", "3,x"], "give comma-separated numbers")):
+        result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "d"), "--temperatures",
+                                                "300,1200", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = runner.invoke(cli_module.cli, ["learn", "gw", "--out", str(tmp_path / "e"), "--shares", "1,1"])
+    assert result.exit_code == 2 and "app 'gw' has neither" in result.output
