@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from converge.apps.base import TensorSpec
 from converge.serve import (AsyncClient, BatchConfig, ModelLoadError, ServedModel, ServerError, ServerSettings,
                             ValidationError, create_app)
-from converge.serve.app import AccessLog
+from converge.serve.access_log import AccessLog
 from converge.serve.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 TOKEN = "s3cret-token"

@@ -1,7 +1,7 @@
 """``converge serve``: load runs, build the app, run uvicorn (on uvloop and httptools when installed).
 
 Access log lines are rendered and written by a background thread, off the event loop
-(:class:`~converge.serve.app.AccessLog`).
+(:class:`~converge.serve.access_log.AccessLog`).
 Binding to anything but loopback without a token is refused unless
 ``insecure=True``: a served model is an open compute endpoint.
 """
