@@ -6,6 +6,8 @@
 # Each step runs under its own time limit (together 8 minutes at most, on one GPU):
 #   gemm on cuda: fp64, fp32, tf32, bf16, fp16 at 512..8192      -> OUT/gemm_gpu.{json,png}
 #   collectives over NCCL, one rank per GPU (1 GPU: world 1)     -> OUT/allreduce_gpu.{json,png}
+#   DDP training over NCCL on 1, 2, 4, ... GPUs, the reference
+#   models whose packages import (mlp always)                    -> OUT/ddp_gpu.{json,png}
 #   simulator vs surrogate on cuda, for the apps whose packages
 #   import (gw: lalsuite; chem: pyscf, ase)                      -> OUT/surrogate_gpu.{json,png}
 #   converge bench serve on cuda, when GW_RUN is given and
@@ -50,13 +52,18 @@ nvidia-smi >>"$log" 2>&1 || say "nvidia-smi did not run"
 gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 say "$gpus GPU(s); $("$py" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))")"
 
-step gemm 90 "$py" -m converge.bench.gemm --device cuda --target-s 0.3 --out "$out" --stem gemm_gpu
+step gemm 75 "$py" -m converge.bench.gemm --device cuda --target-s 0.3 --out "$out" --stem gemm_gpu
 
 if [ "$gpus" -eq 1 ]; then
     say "collectives: one GPU, so one rank: each collective is a local copy (busbw 0 but for broadcast)"
 fi
-step allreduce 120 "$py" -m converge.bench.collectives --device cuda --world "$gpus" --max-bytes 1G --target-s 0.1 \
+step allreduce 75 "$py" -m converge.bench.collectives --device cuda --world "$gpus" --max-bytes 1G --target-s 0.1 \
     --out "$out" --stem allreduce_gpu
+
+models=mlp
+imports "converge.apps.gw.app" && models=gw,$models
+imports "converge.apps.chem" && models=$models,chem
+step ddp 60 "$py" -m converge.bench.ddp --device cuda --models "$models" --steps 30 --out "$out" --stem ddp_gpu
 
 apps=""
 if imports "lal, lalsimulation"; then apps=gw; else say "surrogate gw skipped: lalsuite does not import"; fi

@@ -6,7 +6,8 @@
 
 Writes into ``benchmarks/results/``: ``gemm.{json,png}`` (1 thread, 512..8192,
 fp64/fp32/bf16/fp16, 100 s budget), ``allreduce.{json,png}`` (2 Gloo ranks, 8 B ..
-256 MiB), ``surrogate.{json,png}`` (the trained runs under ``runs/`` when they
+256 MiB), ``ddp.{json,png}`` (gw, chem and MLP training on 1 and 2 Gloo ranks, the
+ring model to 512 GPUs), ``surrogate.{json,png}`` (the trained runs under ``runs/`` when they
 exist, else untrained networks, flagged), then ``report.html`` gathering every
 result there, and ``report.png`` when Chromium is installed. The numbers are wall
 times: run it on a quiet machine. GPU numbers come from ``benchmarks/gpu_check.sh``.
@@ -21,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from converge.bench import collectives, gemm, report, surrogate
+from converge.bench import collectives, ddp, gemm, report, surrogate
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_RUNS = {"gw": ROOT / "runs" / "gw-full" / "run", "chem": ROOT / "runs" / "chem-full" / "ethanol" / "run"}
-STEPS = ("gemm", "allreduce", "surrogate", "report")
+STEPS = ("gemm", "allreduce", "ddp", "surrogate", "report")
 
 
 def run_or_default(given: str | None, app: str) -> str | None:
@@ -38,7 +39,7 @@ def run_or_default(given: str | None, app: str) -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(STEPS), help="steps, from gemm,allreduce,surrogate,report")
+    parser.add_argument("--only", default=",".join(STEPS), help="steps, from gemm,allreduce,ddp,surrogate,report")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of gemm and surrogate")
     parser.add_argument("--gw-run", default=None, help=f"default {DEFAULT_RUNS['gw']} if trained; 'none': untrained")
@@ -60,6 +61,11 @@ def main() -> int:
         result = collectives.run_collectives_benchmark(cfg)
         print(json.dumps(result["summary"], indent=2))
         print("written", *collectives.write_results(result, args.out))
+    if "ddp" in steps:
+        cfg = ddp.DDPBenchConfig.quick() if args.quick else ddp.DDPBenchConfig()
+        result = ddp.run_ddp_benchmark(cfg, progress=True)
+        print(json.dumps(result["summary"], indent=2), *result["notes"], sep="\n")
+        print("written", *ddp.write_results(result, args.out))
     if "surrogate" in steps:
         base = surrogate.SurrogateBenchConfig.quick() if args.quick else surrogate.SurrogateBenchConfig()
         cfg = replace(base, gw_run=run_or_default(args.gw_run, "gw"), chem_run=run_or_default(args.chem_run, "chem"),

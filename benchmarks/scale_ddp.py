@@ -4,7 +4,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scale_ddp.py --quick   # smoke run, written under runs/
 
 Reference models (one training step: forward, loss, backward, gradient clip, AdamW; the apps' precisions):
-- ``gw``: the gw app's DetectionCNN (default GWConfig), bf16 autocast, whitened-noise windows;
+- ``gw``: the gw app's DetectionCNN (default GWConfig), bf16 autocast where the CPU has bf16 units (else fp32),
+  whitened-noise windows;
 - ``chem``: the chem app's ANIPotential (default ChemConfig: ethanol, 160-128-96 networks), fp32, energies
   and forces (double backward), on G2 ethanol geometries displaced by 0.03 Å Gaussian noise with
   synthetic labels (labels change no timing; a DFT dataset would only cost minutes to make);
@@ -37,9 +38,8 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,104 +47,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from converge.bench.reference_training import (MODELS, PER_RANK_BATCH, Case, make_case, n_params, step_seconds,
+                                               train_step)
+from converge.bench.scaling_model import Cluster, assumptions, cluster_allreduce_seconds, efficiency, predict
 from converge.bench.server_process import free_port
 from converge.data.atomic import atomic_write_bytes
-from converge.train.distributed import BatchForward, Ranks, gradient_sync, unused_parameters, wrap_model
-from converge.train.loop import autocast_context
+from converge.train.distributed import Ranks, unused_parameters, wrap_model
 
 RESULTS = Path(__file__).parent / "results"
-MODELS = ("gw", "chem", "mlp")
-PER_RANK_BATCH = {"gw": 64, "chem": 32, "mlp": 256}
 CPU = torch.device("cpu")
-
-
-@dataclass
-class Case:
-    """A reference model and one per-rank batch for it."""
-
-    net: nn.Module  # net(batch) -> output
-    loss: Callable[[Any, dict], torch.Tensor]
-    batch: dict[str, torch.Tensor]
-    precision: str
-
-
-class MLPOnBatch(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 1))
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.mlp(batch["input"]).squeeze(-1)  # (B,)
-
-
-def make_case(name: str, batch_size: int, seed: int) -> Case:
-    """The model (same initial weights on every rank) and a batch drawn with ``seed``."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(seed)
-    if name == "gw":
-        from converge.apps.gw.app import GWApp
-        from converge.apps.gw.config import GWConfig
-
-        app, cfg = GWApp(), GWConfig()
-        batch = {"input": torch.randn(batch_size, cfg.window_samples, generator=g),
-                 "label": (torch.rand(batch_size, generator=g) < 0.5).float(), "snr": torch.zeros(batch_size)}
-        return Case(BatchForward(app, app.make_model(cfg)), lambda out, b: app.loss(cfg, out, b), batch, "bf16")
-    if name == "chem":
-        from converge.apps.chem import ChemApp
-        from converge.apps.chem.config import ChemConfig
-        from converge.apps.chem.molecules import get_molecule
-
-        app, cfg = ChemApp(), ChemConfig()
-        mol = get_molecule(cfg.molecule)
-        r0 = torch.tensor(np.array(mol.positions), dtype=torch.float64)  # (A, 3) Å
-        coords = r0 + 0.03 * torch.randn(batch_size, *r0.shape, generator=g, dtype=torch.float64)
-        batch = {"species": torch.as_tensor(mol.atomic_numbers).repeat(batch_size, 1), "coordinates": coords,
-                 "energy_residual": torch.zeros(batch_size, dtype=torch.float64),
-                 "forces": torch.zeros_like(coords)}
-        return Case(BatchForward(app, app.make_model(cfg)), lambda out, b: app.loss(cfg, out, b), batch, "fp32")
-    if name == "mlp":
-        batch = {"input": torch.randn(batch_size, 512, generator=g), "target": torch.randn(batch_size, generator=g)}
-        return Case(MLPOnBatch(), lambda out, b: (out - b["target"]).pow(2).mean(), batch, "fp32")
-    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
-
-
-def n_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, case: Case, sync: bool = True,
-               accum: int = 1, allreduce_after: bool = False) -> None:
-    """One optimizer step of ``accum`` micro-steps; ``allreduce_after``: no overlap, one flat all-reduce."""
-    for k in range(accum):
-        last = k == accum - 1
-        with gradient_sync(model, sync and last and not allreduce_after):
-            with autocast_context(CPU, case.precision):
-                loss = case.loss(model(case.batch), case.batch)
-            (loss / accum).backward()
-    if allreduce_after:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def step_seconds(step: Callable[[], None], warmup: int, steps: int) -> float:
-    """Median seconds per call after ``warmup`` calls."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 class AllreduceClock:
@@ -301,44 +212,6 @@ def run_stage(opts: dict, stage: str, tmp: str) -> dict:
 # -- the scaling model ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """Interconnect assumptions (H100/H200 class nodes of 8 GPUs)."""
-
-    gpus_per_node: int = 8
-    nvlink_bytes_per_s: float = 450e9  # NVLink 4: 900 GB/s per GPU counts both directions; a ring uses one
-    nvlink_alpha_s: float = 3e-6  # per ring step within a node
-    ib_bytes_per_s: float = 50e9  # InfiniBand NDR, 400 Gb/s per GPU
-    ib_alpha_s: float = 8e-6  # per ring step across nodes
-
-
-def ring_allreduce_seconds(n: int, nbytes: float, bytes_per_s: float, alpha_s: float) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1)/n * bytes / bw + 2(n-1) * alpha."""
-    return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * alpha_s
-
-
-def cluster_allreduce_seconds(n: int, nbytes: float, cluster: Cluster) -> float:
-    """Hierarchical (2D) ring, as NCCL does across nodes of ``gpus_per_node`` GPUs.
-
-    Within a node a ring reduce-scatter over NVLink leaves each GPU 1/g of the
-    gradients; the n/g nodes all-reduce those slices over InfiniBand (one ring per
-    GPU position, in parallel); a ring all-gather over NVLink finishes. Time:
-    (g-1)/g * B / bw_nvl + 2(g-1) alpha_nvl (both intra-node halves) plus the
-    ring all-reduce of B/g bytes over n/g nodes.
-    """
-    g = min(n, cluster.gpus_per_node)
-    intra = 2 * (g - 1) / g * nbytes / cluster.nvlink_bytes_per_s + 2 * (g - 1) * cluster.nvlink_alpha_s
-    if n <= g:
-        return intra
-    return intra + ring_allreduce_seconds(n // g, nbytes / g, cluster.ib_bytes_per_s, cluster.ib_alpha_s)
-
-
-def efficiency(t_compute: float, t_comm: float, overlap: bool) -> float:
-    """t_compute / t_step; with overlap the all-reduce hides behind the backward (2/3 of the compute)."""
-    t_step = t_compute / 3 + max(2 * t_compute / 3, t_comm) if overlap else t_compute + t_comm
-    return t_compute / t_step
-
-
 def scaling_model(measured: dict, gpu_step_s: dict[str, float], gpu_source: str, cluster: Cluster,
                   sizes: tuple[int, ...] = (8, 64, 512)) -> dict[str, Any]:
     gloo = measured["gloo_allreduce"]
@@ -346,15 +219,9 @@ def scaling_model(measured: dict, gpu_step_s: dict[str, float], gpu_source: str,
     for name, m in measured["models"].items():
         t_cpu = m["step_ms"]["one_process"] / 1e3
         t_gloo = gloo["alpha_s"] + m["grad_bytes"] / gloo["beta_bytes_per_s"]  # the fit itself, at 2 processes
-        predictions = {}
-        for n in sizes:
-            t_ar = cluster_allreduce_seconds(n, m["grad_bytes"], cluster)
-            predictions[str(n)] = {"allreduce_ms": 1e3 * t_ar,
-                                   "efficiency_no_overlap": efficiency(gpu_step_s[name], t_ar, False),
-                                   "efficiency_overlap": efficiency(gpu_step_s[name], t_ar, True)}
         models[name] = {
             "grad_bytes": m["grad_bytes"], "gpu_step_ms": 1e3 * gpu_step_s[name], "gpu_step_source": gpu_source,
-            "predictions": predictions,
+            "predictions": predict(gpu_step_s[name], m["grad_bytes"], cluster, sizes),
             # the model on what was measured here: CPU step time and the fitted Gloo all-reduce
             "cpu_gloo_check_2_processes": {
                 "predicted_efficiency_no_overlap": efficiency(t_cpu, t_gloo, False),
@@ -362,11 +229,7 @@ def scaling_model(measured: dict, gpu_step_s: dict[str, float], gpu_source: str,
                 "measured_efficiency_vs_1_process": m["samples_per_s"]["2"] / (2 * m["samples_per_s"]["1"]),
                 "measured_efficiency_vs_ceiling": m["samples_per_s"]["2"] / m["samples_per_s"]["2_ceiling"]},
         }
-    return {"assumptions": {**cluster.__dict__, "gradient_dtype": "float32", "per_gpu_batch": PER_RANK_BATCH,
-                            "topology": "one flat ring; across nodes bandwidth and latency are InfiniBand's "
-                                        "(NCCL's tree and NVLS algorithms would shorten the latency term)",
-                            "overlap": "all-reduce hidden behind the backward, taken as 2/3 of the compute",
-                            "gpu_step": gpu_source},
+    return {"assumptions": assumptions(cluster, gpu_source, PER_RANK_BATCH),
             "models": models}
 
 

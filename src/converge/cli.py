@@ -524,6 +524,12 @@ def bench_allreduce_cmd(ctx: typer.Context) -> None:
     _run_module_main("converge.bench.collectives", ctx)
 
 
+@bench_cli.command("ddp", context_settings=PASS_THROUGH)
+def bench_ddp_cmd(ctx: typer.Context) -> None:
+    """Data-parallel training samples/s and scaling efficiency over 1..N processes (Gloo or NCCL). --help: options."""
+    _run_module_main("converge.bench.ddp", ctx)
+
+
 @bench_cli.command("surrogate", context_settings=PASS_THROUGH)
 def bench_surrogate_cmd(ctx: typer.Context) -> None:
     """Simulator (matched-filter bank, DFT) against surrogate time per sample, with accuracy. --help: options."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from converge.bench.collectives import CollectivesConfig, run_collectives_benchmark
+from converge.bench.ddp import DDPBenchConfig, run_ddp_benchmark
 from converge.bench.gemm import GemmConfig, run_gemm_benchmark
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -25,3 +26,10 @@ def test_nccl_on_one_rank_is_correct():
     assert all(row["algbw_GBps"] > 0 for row in r["rows"])
     assert all(row["busbw_GBps"] == 0 for row in r["rows"] if row["op"] != "broadcast")  # factor (n - 1) / n
     assert any("one rank" in n for n in r["notes"])
+
+
+def test_ddp_on_one_gpu_trains_the_reference_mlp_in_bf16():
+    r = run_ddp_benchmark(DDPBenchConfig(models=("mlp",), processes=(1,), device="cuda", precision="bf16",
+                                         warmup=2, steps=5))
+    assert r["backend"] == "nccl" and r["rows"][0]["samples_per_s"] > 0 and r["rows"][0]["precision"] == "bf16"
+    assert "measured" in r["scaling_model"]["assumptions"]["gpu_step"]

@@ -15,6 +15,7 @@ from converge.serve.protocol import HEADER_LENGTH, decode_infer_response, encode
 from converge.serve.server import load_runs
 from converge.simulate.runner import SimulateConfig, run_ensemble
 from converge.train.loop import TrainConfig, autocast_context, load_model, train
+from converge.train.precision import native_bf16
 
 GW = GWConfig(channels=(4, 4, 8), hidden=8)
 # Water at HF-cost DFT (LDA/STO-3G), as in tests/apps/chem/test_app.py
@@ -27,7 +28,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_apps")
     rng = np.random.default_rng(7)
     signals = np.stack([whitened_signal(GW, sample_bbh_parameters(GW, rng)) for _ in range(32)])
-    # precision "auto": the gw run is bf16, so the server must autocast as training did
+    # precision "auto": the gw run is bf16 where the CPU has bf16 units, so the server must autocast as training did
     train(GWApp(), GW, TrainConfig(epochs=1, batch_size=16, patience=10), {"signal": signals}, root / "gw-run",
           progress=False)
     chem = ChemApp()
@@ -50,7 +51,8 @@ def test_gw_and_chem_runs_are_served_side_by_side(runs):
     root, arrays = runs
     models = load_runs([root / "gw-run", f"water={root / 'water-run'}"])
     assert sorted(models) == ["gw-run", "water"]
-    assert models["gw-run"].precision == "bf16" and models["water"].precision == "fp32"
+    gw_precision = "bf16" if native_bf16(torch.device("cpu")) else "fp32"  # auto: fp32 where bf16 is emulated
+    assert models["gw-run"].precision == gw_precision and models["water"].precision == "fp32"
     gw_model, _ = load_model(GWApp(), root / "gw-run")
     chem_model, _ = load_model(ChemApp(), root / "water-run")
     strain = np.random.default_rng(0).standard_normal((5, GW.window_samples)).astype(np.float32)
@@ -64,7 +66,7 @@ def test_gw_and_chem_runs_are_served_side_by_side(runs):
         water = post(c, "water", {"species": species, "coordinates": coords})
         shifted = post(c, "water", {"species": species, "coordinates": coords + np.float32(1.5)})
 
-    with torch.inference_mode(), autocast_context(torch.device("cpu"), "bf16"):
+    with torch.inference_mode(), autocast_context(torch.device("cpu"), gw_precision):
         direct = GWApp().serve_predict(gw_model, {"strain": torch.from_numpy(strain)})
     np.testing.assert_allclose(gw_out["logit"], direct["logit"].float().numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(gw_out["probability"], 1 / (1 + np.exp(-gw_out["logit"])), rtol=1e-6)

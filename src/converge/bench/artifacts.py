@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,10 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def finish(result: dict[str, Any], paths: tuple[Path, ...], ok: bool, failure: str) -> int:
+    """A benchmark command's end: its summary on stdout, what it wrote (or ``failure``) on stderr, the exit code."""
+    print(json.dumps(result["summary"], indent=2))
+    print("written " + " and ".join(map(str, paths)) + ("" if ok else f"; {failure}"), file=sys.stderr)
+    return 0 if ok else 1

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .artifacts import pyplot, save_figure, write_json
+from .artifacts import finish, pyplot, save_figure, write_json
 from .machine import describe_machine
 from .server_process import free_port
 
@@ -406,11 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if result is None:  # a torchrun rank other than 0
         return 0
-    paths = write_results(result, args.out, args.stem)
-    print(json.dumps(result["summary"], indent=2))
-    print(f"written {paths[0]} and {paths[1]}" + ("" if result["all_correct"] else "; SOME CHECKS FAILED"),
-          file=sys.stderr)
-    return 0 if result["all_correct"] else 1
+    return finish(result, write_results(result, args.out, args.stem), result["all_correct"], "SOME CHECKS FAILED")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ SECTIONS: tuple[Section, ...] = (
             "broadcast over torch.distributed; bus bandwidth as nccl-tests define it (converge bench allreduce).",
             tables.collectives_tables),
     Section("ddp", "Data-parallel training scaling", ("ddp", "scale", "scaling"), "training throughput against "
-            "the number of DDP ranks.", tables.scalar_table),
+            "the number of DDP ranks, and a ring all-reduce model of GPU clusters (converge bench ddp).",
+            tables.ddp_tables),
     Section("serve", "Serving", ("serve",), "the model alone and converge serve under load, batching on and off "
             "(converge bench serve).", tables.serve_tables),
     Section("surrogate", "Simulator against surrogate", ("surrogate",), "wall time per sample of each app's "

@@ -98,6 +98,42 @@ def collectives_tables(r: Mapping[str, Any]) -> list[Table]:
                   [[human_bytes(s), *(cell(by.get((op, s))) for op in ops)] for s in sizes])]
 
 
+def ddp_tables(r: Mapping[str, Any]) -> list[Table]:
+    """converge bench ddp (rows by model and process count); scale.json's 2-process measurement otherwise."""
+    if "rows" not in r:
+        return scale_tables(r)
+    rows = [[row["model"], row["precision"], row["processes"], row["per_rank_batch"], fmt(row["step_ms"]),
+             fmt(row["samples_per_s"]), percent(row["efficiency"]), percent(row["efficiency_vs_ceiling"]),
+             fmt(row["in_sync"])] for row in r["rows"]]
+    out = [Table(f"{r['backend']} DDP on {r['device']}: weak scaling (per-rank batch fixed)",
+                 ["model", "precision", "processes", "batch per rank", "step ms", "samples/s",
+                  "efficiency vs 1 process", "vs no-communication ceiling", "replicas identical"], rows)]
+    model = r["scaling_model"]
+    gpus = sorted({n for m in model["models"].values() for n in m["predictions"]}, key=int)
+    out.append(Table("ring all-reduce model, efficiency no overlap / overlap; GPU step "
+                     f"{model['assumptions']['gpu_step']}",
+                     ["model", "GPU step ms", "gradient bytes", *(f"{n} GPUs" for n in gpus)],
+                     [[name, fmt(m["gpu_step_ms"]), human_bytes(m["grad_bytes"]),
+                       *(f"{percent(m['predictions'][n]['efficiency_no_overlap'])} / "
+                         f"{percent(m['predictions'][n]['efficiency_overlap'])}" for n in gpus)]
+                      for name, m in model["models"].items()]))
+    return out
+
+
+def scale_tables(r: Mapping[str, Any]) -> list[Table]:
+    """benchmarks/scale_ddp.py's 2-process Gloo measurement and its model, beside the ensemble scale-out."""
+    ddp = r["ddp"]["models"]
+    out = [Table("2 Gloo processes: samples/s (benchmarks/scale_ddp.py)",
+                 ["model", "1 process", "2 DDP", "2 without communication", "exposed all-reduce share"],
+                 [[name, fmt(m["samples_per_s"]["1"]), fmt(m["samples_per_s"]["2"]),
+                   fmt(m["samples_per_s"]["2_ceiling"]), percent(m["allreduce_share"]["exposed"])]
+                  for name, m in ddp.items()])]
+    if "ensemble" in r:
+        summary = {k: v for k, v in r["ensemble"].items() if k != "raw"}
+        out += scalar_table(summary, "ensemble scale-out (benchmarks/scale_ensemble.py)", limit=30)
+    return out
+
+
 def serve_tables(r: Mapping[str, Any]) -> list[Table]:
     rows = []
     for app, rep in r.items():

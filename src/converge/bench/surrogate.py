@@ -138,17 +138,18 @@ def gw_model(cfg: SurrogateBenchConfig, device: torch.device, accuracy_report: d
     from ..apps.gw.config import GWConfig
     from ..config import from_dict
     from ..train.loop import load_model
+    from ..train.precision import resolve_precision, run_precision
 
     app = GWApp()
     if cfg.gw_run:
         model, config = load_model(app, Path(cfg.gw_run), device=str(device))
-        precision = config.get("train", {}).get("precision", "auto")
-        precision = app.default_precision if precision == "auto" else precision
+        precision = run_precision(config, app.default_precision, device)
         return model, from_dict(GWConfig, config["app_config"], "app"), precision, True, f"trained run {cfg.gw_run}"
     app_cfg = from_dict(GWConfig, accuracy_report["app_config"], "app") if accuracy_report and \
         "app_config" in accuracy_report else GWConfig()
     model = app.make_model(app_cfg).to(device).eval()
-    return model, app_cfg, app.default_precision, False, "untrained, same architecture (timing only)"
+    return (model, app_cfg, resolve_precision("auto", app.default_precision, device), False,
+            "untrained, same architecture (timing only)")
 
 
 def gw_bank(app_cfg, templates: int):

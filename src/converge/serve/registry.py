@@ -27,6 +27,7 @@ from torch import nn
 from ..apps.base import App, TensorSpec, load_app
 from ..train.checkpoint import load_checkpoint
 from ..train.loop import PRECISIONS, autocast_context, load_model, resolve_device
+from ..train.precision import run_precision
 from ..validate.ensemble import ENSEMBLE_FILE, EnsembleError, load_ensemble
 from .protocol import DATATYPES
 
@@ -157,10 +158,9 @@ def served_app(run_dir: Path, config: Mapping[str, Any]) -> tuple[App, Any, list
     return app, app_cfg, list(inputs), list(outputs)
 
 
-def served_precision(app: App, config: Mapping[str, Any]) -> str:
-    """The precision a run trained in (``auto``: the app's default), which it is served in."""
-    precision = config.get("train", {}).get("precision", app.default_precision)
-    return app.default_precision if precision == "auto" else precision
+def served_precision(app: App, config: Mapping[str, Any], device: torch.device) -> str:
+    """The precision a run trained in, which it is served in; fp32 for bf16 where ``device`` only emulates bf16."""
+    return run_precision(config, app.default_precision, device)
 
 
 def load_served_model(run_dir: Path | str, name: str | None = None, version: str = "1", which: str = "best",
@@ -176,7 +176,7 @@ def load_served_model(run_dir: Path | str, name: str | None = None, version: str
     if not (run_dir / f"{which}.pt").is_file():
         raise ModelLoadError(f"{run_dir}: no {which}.pt checkpoint; has training finished an epoch?")
     model, config = load_model(app, run_dir, which, str(resolve_device(device)))
-    precision = served_precision(app, config)
+    precision = served_precision(app, config, resolve_device(device))
     return ServedModel(check_model_name(name or run_dir.resolve().name), model, list(inputs), list(outputs),
                        app.serve_predict, version=version, precision=precision, platform=f"converge-{app.name}",
                        app=app.name, loader=partial(load_served_model, str(run_dir), name, version, which, device),
@@ -204,7 +204,7 @@ def load_served_ensemble(run_dir: Path, name: str | None = None, version: str = 
     except (EnsembleError, FileNotFoundError) as err:
         raise ModelLoadError(f"{run_dir}: {err}") from None
     spreads = [TensorSpec(std_name(s.name), s.datatype, s.shape) for s in outputs]
-    precision = served_precision(app, record)
+    precision = served_precision(app, record, resolve_device(device))
     return ServedModel(check_model_name(name or run_dir.resolve().name), ensemble, list(inputs), [*outputs, *spreads],
                        partial(predict_ensemble, app), version=version, precision=precision,
                        platform=f"converge-{app.name}-ensemble", app=app.name,

@@ -40,6 +40,7 @@ from .checkpoint import (CheckpointError, checkpoint_path, load_checkpoint, load
                          set_rng_state, sharded_path)
 from .distributed import (BatchForward, Ranks, StepPlan, all_reduce_sum, barrier, broadcast_from_main,
                           gradient_sync, plan_steps, process_group, rank_batches, unused_parameters, wrap_model)
+from .precision import resolve_precision
 from .distributed import resolve_device  # noqa: F401 (imported from here by converge.serve)
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -55,7 +56,7 @@ class TrainConfig:
     weight_decay: float = 1e-4
     warmup_fraction: float = 0.1
     grad_clip: float = 1.0
-    precision: str = "auto"  # the app's measured default (gw: bf16, chem: fp32)
+    precision: str = "auto"  # the app's measured default (gw: bf16, chem: fp32); fp32 where bf16 is emulated
     device: str = "auto"
     val_fraction: float = 0.1
     patience: int = 4
@@ -189,9 +190,8 @@ def train(
     since, at each epoch start, while the ensemble is still running; the
     learning-rate schedule is sized for the finished dataset.
     """
-    if cfg.precision == "auto":
-        cfg = replace(cfg, precision=app.default_precision)
     with process_group(cfg.device, cfg.shard) as (ranks, device):
+        cfg = replace(cfg, precision=resolve_precision(cfg.precision, app.default_precision, device))
         if follow is not None and (ranks.world > 1 or cfg.shard):
             raise ConfigError("--follow trains in one process: leave out --nproc and --shard (or train on the "
                               "finished dataset with them)")

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from ...config import ConfigError, from_dict, to_dict
 from ...data.atomic import atomic_write_bytes
 from ...data.store import ShardStore, sha256_file
 from ...train.loop import autocast_context, load_model
+from ...train.precision import resolve_precision
 from .bank import bank_path, load_bank
 from .config import GWConfig
 from .matched_filter import matched_filter_snr
@@ -45,7 +46,7 @@ class GWEvalConfig:
     seed: int = 20181
     batch_size: int = 256
     timing_windows: int = 4096  # windows on which both methods are timed, side by side
-    precision: str = "bf16"  # CNN inference; the head is fp32 (see model.py)
+    precision: str = "auto"  # CNN inference (auto: bf16 where the CPU has bf16 units); the head is fp32 (model.py)
 
     def __post_init__(self) -> None:
         for fap in self.faps:
@@ -58,8 +59,8 @@ class GWEvalConfig:
                 )
         if self.n_per_snr < 1:
             raise ConfigError(f"evaluate.n_per_snr={self.n_per_snr}: must be >= 1")
-        if self.precision not in ("bf16", "fp16", "fp32"):
-            raise ConfigError(f"evaluate.precision={self.precision!r}: choose bf16, fp16 or fp32")
+        if self.precision not in ("auto", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"evaluate.precision={self.precision!r}: choose auto, bf16, fp16 or fp32")
 
 
 def window_batches(cfg: GWConfig, ev: GWEvalConfig, signals: torch.Tensor):
@@ -155,6 +156,7 @@ def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: GWEvalCo
     from .app import efficiency_at_fap
 
     ev = ev or GWEvalConfig()
+    ev = replace(ev, precision=resolve_precision(ev.precision, app.default_precision, torch.device("cpu")))
     model, config = load_model(app, run_dir)
     cfg = from_dict(GWConfig, config["app_config"], "app")
     signals = load_test_signals(cfg, data_dir)
