@@ -43,6 +43,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +60,9 @@ from converge.validate.active import (
     median_distance,
     round_dir,
 )
+from converge.serve.fallback import OOD, TrustConfig, TrustGate
+from converge.serve.protocol import DATATYPES
+from converge.serve.registry import load_served_model
 from converge.validate.calibration import load_calibration
 from converge.validate.chem_learning import ChemLearning, chem_spread
 from converge.validate.ensemble import load_ensemble
@@ -79,18 +83,48 @@ def spread_on(ensemble, envelope, inputs: dict[str, np.ndarray]) -> dict:
             "ood_flagged_fraction": float(np.mean(flagged))}
 
 
+def gate_routing(ensemble_dir: Path, sets: dict[str, dict], max_uncertainty: float) -> dict:
+    """What trust-gated serving does with each input set: the share its gate sends to DFT, and why.
+
+    The ensemble is loaded as ``converge serve`` loads it and each sample is judged by the
+    server's own :class:`TrustGate` (spread above ``max_uncertainty``, or outside the
+    training distribution); under ``--fallback simulator`` those samples are answered by DFT.
+    """
+    model = load_served_model(ensemble_dir, name="trust")
+    gate = TrustGate.build(model, TrustConfig(max_uncertainty=max_uncertainty))
+    out = {}
+    for name, inputs in sets.items():
+        x = {s.name: np.asarray(inputs[s.name], dtype=DATATYPES[s.datatype]) for s in model.inputs}
+        wrong = [f"{k} {list(x[k].shape)}, signature {list(s.shape)}" for s in model.inputs for k in [s.name]
+                 if any(w not in (-1, d) for w, d in zip(s.shape, x[k].shape))]
+        if wrong:  # the server refuses such a request (HTTP 400) before the model or the gate sees it
+            out[name] = {"routed_to_simulator_fraction": None, "refused_by_signature": "; ".join(wrong)}
+            continue
+        reasons = gate.judge(x, model.predict(x))
+        out[name] = {"routed_to_simulator_fraction": float(np.mean([bool(r) for r in reasons])),
+                     "by_spread_fraction": float(np.mean([any(not m.startswith(OOD) for m in r) for r in reasons])),
+                     "by_ood_check_fraction": float(np.mean([any(m.startswith(OOD) for m in r) for r in reasons]))}
+    gate.close()
+    return out
+
+
 def out_of_distribution(app: ChemApp, cfg: ChemConfig, problem: ChemLearning, ensemble_dir: Path,
                         test_inputs: dict, args) -> dict:
-    """Spread in distribution (the test set) against much hotter conformers and an unseen molecule."""
+    """Spread in distribution (the test set) against much hotter conformers and an unseen molecule, and the
+    serving gate on each at the limit the run's calibration chose (its energy-spread threshold per sqrt(atoms))."""
     ensemble, envelope = load_ensemble(app, ensemble_dir), load_envelope(ensemble_dir)
     hot = ChemLearning(app, cfg, temperatures=(args.ood_temperature,))
     other_cfg = ChemConfig(molecule=args.unseen_molecule, level=cfg.level, hidden=cfg.hidden)
     other = ChemLearning(app, other_cfg, temperatures=problem.temperatures)
-    return {
-        "in_distribution": spread_on(ensemble, envelope, test_inputs),
-        f"hot_{args.ood_temperature:g}K": spread_on(ensemble, envelope, hot.inputs(hot.draw(11, args.n_ood))),
-        f"unseen_{args.unseen_molecule}": spread_on(ensemble, envelope, other.inputs(other.draw(12, args.n_ood))),
-    }
+    sets = {"in_distribution": test_inputs,
+            f"hot_{args.ood_temperature:g}K": hot.inputs(hot.draw(11, args.n_ood)),
+            f"unseen_{args.unseen_molecule}": other.inputs(other.draw(12, args.n_ood))}
+    report = {name: spread_on(ensemble, envelope, inputs) for name, inputs in sets.items()}
+    # calibration.json's threshold is on the molecule's energy spread; the gate's score is per sqrt(atoms)
+    limit = load_calibration(ensemble_dir)["threshold"] / np.sqrt(test_inputs["species"].shape[1])
+    for name, routing in gate_routing(ensemble_dir, sets, limit).items():
+        report[name].update(routing)
+    return {**report, "gate_max_uncertainty_kcal_mol_per_sqrt_atom": float(limit)}
 
 
 def summarise(curves: list[list[dict]], problem: ChemLearning) -> dict:
@@ -118,8 +152,12 @@ def summarise(curves: list[list[dict]], problem: ChemLearning) -> dict:
 
 
 def mean_over_seeds(reports: list[dict]) -> dict:
-    """Field-by-field mean of the seeds' spread reports (same names, numbers only)."""
-    return {name: {k: float(np.mean([r[name][k] for r in reports])) for k in reports[0][name]}
+    """Field-by-field mean of the seeds' spread reports (same names)."""
+    def mean(values: list) -> Any:  # numbers averaged; anything else (a refusal, None) as the first seed has it
+        return float(np.mean(values)) if all(isinstance(v, (int, float)) for v in values) else values[0]
+
+    return {name: {k: mean([r[name][k] for r in reports]) for k in reports[0][name]}
+            if isinstance(reports[0][name], dict) else mean([r[name] for r in reports])
             for name in reports[0]}
 
 
@@ -265,7 +303,10 @@ def main() -> None:
     for name, s in results["spread"].items():
         if isinstance(s, dict) and "n" in s:
             print(f"spread per atom {name}: {s['mean_energy_spread_per_atom_kcal_mol']:.3f} kcal/mol, "
-                  f"flagged by the OOD check: {s['ood_flagged_fraction']:.0%}")
+                  f"flagged by the OOD check: {s['ood_flagged_fraction']:.0%}, "
+                  "served: " + (f"{s['routed_to_simulator_fraction']:.0%} routed to DFT by the gate"
+                                if s["routed_to_simulator_fraction"] is not None
+                                else f"refused (HTTP 400: {s['refused_by_signature']})"))
     print(json.dumps(results["seconds"]))
 
 

@@ -158,11 +158,13 @@ def serve_tables(r: Mapping[str, Any]) -> list[Table]:
 def trust_tables(r: Mapping[str, Any]) -> list[Table]:
     """Learning curves (test energy MAE against DFT calls) and the ensemble spread in and out of distribution."""
     curve = [[name, *(fmt(e) for e in r[name]["test_mae"])] for name in ("active", "random")]
-    rows = [[k, fmt(v.get("mean_energy_spread_per_atom_kcal_mol")), percent(v.get("ood_flagged_fraction"))]
+    rows = [[k, fmt(v.get("mean_energy_spread_per_atom_kcal_mol")), percent(v.get("ood_flagged_fraction")),
+             percent(v.get("routed_to_simulator_fraction"))]
             for k, v in r["spread"].items() if isinstance(v, dict) and "mean_energy_spread_per_atom_kcal_mol" in v]
     return [Table("test energy MAE (kcal/mol) by DFT calls", ["strategy", *map(str, r["active"]["dft_calls"])],
                   curve),
-            Table("ensemble spread per atom (kcal/mol)", ["inputs", "spread", "flagged out of distribution"], rows)]
+            Table("ensemble spread per atom (kcal/mol)", ["inputs", "spread", "flagged out of distribution",
+                                                          "routed to DFT by the serving gate"], rows)]
 
 
 def surrogate_tables(r: Mapping[str, Any]) -> list[Table]:
