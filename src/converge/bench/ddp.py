@@ -197,7 +197,8 @@ def run_ddp_benchmark(cfg: DDPBenchConfig = DDPBenchConfig(), progress: bool = F
             return None
         launches = {1: [{**r, "step_ms": r["one_process_step_ms"], "processes": 1,
                          "samples_per_s": r["per_rank_batch"] / (r["one_process_step_ms"] / 1e3),
-                         "ceiling_samples_per_s": None, "in_sync": True} for r in rows]}
+                         "ceiling_samples_per_s": None, "replicas_max_difference": 0.0, "in_sync": True}
+                        for r in rows]}
         if world > 1:
             launches[world] = rows
     else:
