@@ -131,7 +131,7 @@ def train_cmd(
     epochs: Optional[int] = typer.Option(None, help="Training epochs."),
     batch_size: Optional[int] = typer.Option(None, help="Samples per optimizer step, all processes together."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate of the one-cycle schedule."),
-    precision: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32: autocast precision (auto = the app default, measured: gw bf16, chem fp32; fp16 uses a GradScaler)."),
+    precision: Optional[str] = typer.Option(None, help="auto | bf16 | fp16 | fp32: autocast precision (auto = the app default, measured: gw bf16, chem fp32; fp32 where the device has no bf16 units; fp16 uses a GradScaler)."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N."),
     resume: bool = typer.Option(False, help="Continue from OUT/last.pt (OUT/last.dcp/ with --shard) at the next "
                                 "epoch, on any number of processes."),
