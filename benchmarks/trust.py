@@ -1,6 +1,8 @@
 """Trust the surrogate: active learning against random sampling, and the spread off the training data.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --out runs/trust          # ~45 min on a quiet core
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --out runs/trust          # ~70 min a seed, one core
+    # faster: one process per seed (--seeds 0, --seeds 1, ...) into the same --out, then the line above
+    # again: every stage resumes, so it only gathers the seeds (a minute)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trust.py --quick --out /tmp/trust  # ~1-2 min, smoke test
 
 Setting (chem app, methanol, DFT at the ``fast`` level, B3LYP/6-31G*): every

@@ -11,6 +11,7 @@ from converge.bench.ddp import (
     DDPBenchConfig, add_efficiencies, main, model_predictions, parse_counts, replicas_spread, run_ddp_benchmark,
     write_results,
 )
+from converge.bench.report_tables import ddp_tables
 from converge.bench.scaling_model import Cluster, cluster_allreduce_seconds, efficiency, ring_allreduce_seconds
 from converge.bench.server_process import free_port
 
@@ -94,6 +95,9 @@ def test_one_and_two_gloo_ranks_train_in_sync_and_report_well_formed_results(tmp
     assert two["in_sync"] and two["replicas_max_difference"] == 0.0 and r["all_in_sync"]
     assert set(r["summary"]["mlp"]["samples_per_s"]) == {"1", "2"}
     assert set(r["scaling_model"]["models"]["mlp"]["predictions"]) == {"8", "64", "512"}
+    measured, modelled = ddp_tables(r)  # the report's view of it
+    assert [row[2] for row in measured.rows] == [1, 2] and measured.rows[1][-1] == "yes"
+    assert modelled.header[-3:] == ["8 GPUs", "64 GPUs", "512 GPUs"] and "ASSUMED" in modelled.caption
     json_path, png_path = write_results(r, tmp_path)
     assert json.loads(json_path.read_text())["all_in_sync"] is True
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -178,12 +178,15 @@ def test_report_renders_to_a_non_blank_png(results, tmp_path):
 def test_trust_and_peer_tables_carry_the_headline_numbers():
     from converge.bench.report_tables import serve_tables, trust_tables
 
-    trust = {"active": {"dft_calls": [8, 16], "test_mae": [1.5, 0.45]}, "random": {"dft_calls": [8, 16],
-             "test_mae": [1.5, 0.41]}, "spread": {"by_seed": [], "in_distribution": {
-                 "mean_energy_spread_per_atom_kcal_mol": 0.157, "ood_flagged_fraction": 0.01}}}
-    curve, spread = trust_tables(trust)
+    trust = {"active": {"dft_calls": [8, 16], "test_mae": [1.5, 0.45], "calls_to_reach_random_final": 7.2,
+                        "fraction_of_random_calls": 0.45}, "random": {"dft_calls": [8, 16], "test_mae": [1.5, 0.41]},
+             "spread": {"by_seed": [], "gate_max_uncertainty_kcal_mol_per_sqrt_atom": 0.15, "in_distribution": {
+                 "mean_energy_spread_per_atom_kcal_mol": 0.157, "ood_flagged_fraction": 0.01,
+                 "routed_to_simulator_fraction": 0.02}}, "target": {"met": True}}
+    curve, spread, target = trust_tables(trust)
     assert curve.header == ["strategy", "8", "16"] and curve.rows[0][0] == "active" and len(curve.rows) == 2
-    assert [row[0] for row in spread.rows] == ["in_distribution"]
+    assert spread.rows == [["in_distribution", "0.157", "1%", "2%"]]
+    assert target.rows == [["0.41", "7.2", "45%", "yes"]]
     rep = {"precision": "bf16", "device": "cpu", "model_only_best": {"samples_per_s": 6000.0, "batch_size": 64},
            "peers": {"mlserver": {}}, "peer": "mlserver", "peer_throughput_at_equal_p99": 977.0,
            "gain_vs_peer_at_equal_p99": 1.89}

@@ -164,7 +164,11 @@ def trust_tables(r: Mapping[str, Any]) -> list[Table]:
     return [Table("test energy MAE (kcal/mol) by DFT calls", ["strategy", *map(str, r["active"]["dft_calls"])],
                   curve),
             Table("ensemble spread per atom (kcal/mol)", ["inputs", "spread", "flagged out of distribution",
-                                                          "routed to DFT by the serving gate"], rows)]
+                                                          "routed to DFT by the serving gate"], rows),
+            Table("target: active reaches random's final error with <= 50% of its DFT calls",
+                  ["random's final MAE", "active's calls to reach it", "of random's calls", "met"],
+                  [[fmt(r["random"]["test_mae"][-1]), fmt(r["active"].get("calls_to_reach_random_final")),
+                    percent(r["active"].get("fraction_of_random_calls")), fmt(r.get("target", {}).get("met"))]])]
 
 
 def surrogate_tables(r: Mapping[str, Any]) -> list[Table]:
