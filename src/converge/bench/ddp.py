@@ -281,7 +281,7 @@ def plot_ddp(result: dict[str, Any], path: str | Path) -> Path:
             eff = [efficiency(m["gpu_step_ms"] / 1e3, cluster_allreduce_seconds(int(g), m["grad_bytes"], Cluster()),
                               True) for g in gpus]
             ax2.plot(gpus, eff, "-", color=f"C{k}", alpha=0.6, label=f"{name}: ring model, overlap")
-    ax1.set(xlabel="processes", ylabel="samples / s",
+    ax1.set(yscale="log", xlabel="processes", ylabel="samples / s",
             title=f"{result['backend']} DDP on {result['device']}, per-rank batch fixed")
     assumed = ", GPU steps assumed" if "ASSUMED" in model["assumptions"]["gpu_step"] else ""
     ax2.set(xscale="log", xlabel="processes (measured) / GPUs (modelled)", ylabel="scaling efficiency",
