@@ -548,7 +548,7 @@ def demo_cmd(
     quick: bool = typer.Option(False, help="A much smaller run (a smoke test of a minute or two)."),
     app: str = typer.Option("all", help="gw, chem or all."),
 ) -> None:
-    """Both reference apps end to end on small defaults (2 cores: 9 min with bf16 units, 15 min without).
+    """Both reference apps end to end on small defaults (2 cores: 9 min with bf16 units, 12 min without).
 
     gw: simulate -> train -> evaluate vs matched filtering -> detect in a strain file.
     chem: DFT ensemble -> train -> evaluate vs DFT and GFN2-xTB -> NVE dynamics.
