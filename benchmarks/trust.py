@@ -63,7 +63,7 @@ from converge.validate.active import (
     round_dir,
 )
 from converge.serve.fallback import OOD, TrustConfig, TrustGate
-from converge.serve.protocol import DATATYPES
+from converge.serve.protocol import DATATYPES, ValidationError, check_inputs
 from converge.serve.registry import load_served_model
 from converge.validate.calibration import load_calibration
 from converge.validate.chem_learning import ChemLearning, chem_spread
@@ -97,10 +97,10 @@ def gate_routing(ensemble_dir: Path, sets: dict[str, dict], max_uncertainty: flo
     out = {}
     for name, inputs in sets.items():
         x = {s.name: np.asarray(inputs[s.name], dtype=DATATYPES[s.datatype]) for s in model.inputs}
-        wrong = [f"{k} {list(x[k].shape)}, signature {list(s.shape)}" for s in model.inputs for k in [s.name]
-                 if any(w not in (-1, d) for w, d in zip(s.shape, x[k].shape))]
-        if wrong:  # the server refuses such a request (HTTP 400) before the model or the gate sees it
-            out[name] = {"routed_to_simulator_fraction": None, "refused_by_signature": "; ".join(wrong)}
+        try:
+            check_inputs(x, model.inputs)
+        except ValidationError as err:  # the server refuses such a request (HTTP 400) before the model or gate
+            out[name] = {"routed_to_simulator_fraction": None, "refused_by_signature": str(err)}
             continue
         reasons = gate.judge(x, model.predict(x))
         out[name] = {"routed_to_simulator_fraction": float(np.mean([bool(r) for r in reasons])),

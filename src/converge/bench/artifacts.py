@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..data.atomic import atomic_write_bytes
 
@@ -47,6 +47,13 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def write_results_with_plot(result: dict[str, Any], out_dir: str | Path, stem: str,
+                            plot: Callable[[dict[str, Any], Path], Path]) -> tuple[Path, Path]:
+    """``OUT/STEM.json`` and ``OUT/STEM.png`` (drawn by ``plot``), each written atomically."""
+    out_dir = Path(out_dir)
+    return write_json(out_dir / f"{stem}.json", result), plot(result, out_dir / f"{stem}.png")
 
 
 def finish(result: dict[str, Any], paths: tuple[Path, ...], ok: bool, failure: str) -> int:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .artifacts import finish, pyplot, save_figure, write_json
+from .artifacts import finish, pyplot, save_figure, write_results_with_plot
 from .machine import describe_machine
 from .server_process import free_port
 
@@ -368,8 +368,7 @@ def plot_collectives(result: dict[str, Any], path: str | Path) -> Path:
 
 def write_results(result: dict[str, Any], out_dir: str | Path, stem: str = "allreduce") -> tuple[Path, Path]:
     """``OUT/STEM.json`` and ``OUT/STEM.png``, each written atomically."""
-    out_dir = Path(out_dir)
-    return write_json(out_dir / f"{stem}.json", result), plot_collectives(result, out_dir / f"{stem}.png")
+    return write_results_with_plot(result, out_dir, stem, plot_collectives)
 
 
 def parse_bytes(text: str) -> int:

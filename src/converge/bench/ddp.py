@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..train.distributed import Ranks, unused_parameters, wrap_model
-from .artifacts import finish, pyplot, save_figure, write_json
+from .artifacts import finish, pyplot, save_figure, write_results_with_plot
 from .collectives import slowest, under_torchrun
 from .machine import describe_machine
 from .reference_training import CPU, MODELS, PER_RANK_BATCH, Case, make_case, n_params, step_seconds, train_step
@@ -295,8 +295,7 @@ def plot_ddp(result: dict[str, Any], path: str | Path) -> Path:
 
 def write_results(result: dict[str, Any], out_dir: str | Path, stem: str = "ddp") -> tuple[Path, Path]:
     """``OUT/STEM.json`` and ``OUT/STEM.png``, each written atomically."""
-    out_dir = Path(out_dir)
-    return write_json(out_dir / f"{stem}.json", result), plot_ddp(result, out_dir / f"{stem}.png")
+    return write_results_with_plot(result, out_dir, stem, plot_ddp)
 
 
 def parse_counts(text: str) -> tuple[int, ...]:

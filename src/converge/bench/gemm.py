@@ -31,7 +31,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..config import parse_positive_ints
-from .artifacts import pyplot, save_figure, write_json
+from .artifacts import pyplot, save_figure, write_results_with_plot
 from .machine import Clock, cpu_clock, describe_machine, read_cpuinfo
 from .peaks import PRECISIONS, cpu_peaks, gpu_peaks
 
@@ -298,8 +298,7 @@ def plot_gemm(result: dict[str, Any], path: str | Path) -> Path:
 
 def write_results(result: dict[str, Any], out_dir: str | Path, stem: str = "gemm") -> tuple[Path, Path]:
     """``OUT/STEM.json`` and ``OUT/STEM.png``, each written atomically."""
-    out_dir = Path(out_dir)
-    return write_json(out_dir / f"{stem}.json", result), plot_gemm(result, out_dir / f"{stem}.png")
+    return write_results_with_plot(result, out_dir, stem, plot_gemm)
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -61,7 +61,7 @@ def parse_cpuinfo(text: str) -> CpuInfo:
         vendor=fields.get("vendor_id", ""),
         family=int(number("cpu family") or 0),
         model=int(number("model") or 0),
-        flags=frozenset(fields.get("flags", "").split()),
+        flags=frozenset((fields.get("flags") or fields.get("Features", "")).split()),  # x86 | aarch64
         mhz=number("cpu MHz"),
         logical_cpus=sum(1 for b in blocks if b.lstrip().startswith("processor")) or (os.cpu_count() or 1),
     )

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 import platform
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from ..bench.machine import read_cpuinfo
 
 X86_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo "flags": VDPBF16PS, AMX tiles
 ARM_BF16_FEATURE = "bf16"  # /proc/cpuinfo "Features" on aarch64 (FEAT_BF16, Armv8.6)
@@ -23,15 +24,7 @@ ARM_BF16_FEATURE = "bf16"  # /proc/cpuinfo "Features" on aarch64 (FEAT_BF16, Arm
 @functools.lru_cache(maxsize=1)
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """The first processor's ``flags`` (x86) or ``Features`` (aarch64); empty where unreadable."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    return read_cpuinfo(cpuinfo).flags
 
 
 def native_bf16(device: torch.device, flags: frozenset[str] | None = None) -> bool:
