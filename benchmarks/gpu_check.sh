@@ -71,8 +71,8 @@ if imports "pyscf, ase"; then apps=${apps:+$apps,}chem; else say "surrogate chem
 if [ -n "$apps" ]; then
     args=(--device cuda --apps "$apps" --threads "$(nproc)" --results-dir benchmarks/results --out "$out"
           --stem surrogate_gpu)
-    [ -n "$gw_run" ] && args+=(--gw-run "$gw_run")
-    [ -n "$chem_run" ] && args+=(--chem-run "$chem_run")
+    [ -n "$gw_run" ] && [[ $apps == *gw* ]] && args+=(--run "gw=$gw_run")
+    [ -n "$chem_run" ] && [[ $apps == *chem* ]] && args+=(--run "chem=$chem_run")
     step surrogate 180 "$py" -m converge.bench.surrogate "${args[@]}"
 fi
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -67,9 +66,11 @@ def main() -> int:
         print(json.dumps(result["summary"], indent=2), *result["notes"], sep="\n")
         print("written", *ddp.write_results(result, args.out))
     if "surrogate" in steps:
-        base = surrogate.SurrogateBenchConfig.quick() if args.quick else surrogate.SurrogateBenchConfig()
-        cfg = replace(base, gw_run=run_or_default(args.gw_run, "gw"), chem_run=run_or_default(args.chem_run, "chem"),
-                      results_dir=str(RESULTS))
+        runs = tuple((app, run) for app, run in (("gw", run_or_default(args.gw_run, "gw")),
+                                                 ("chem", run_or_default(args.chem_run, "chem"))) if run)
+        options = dict(apps=("gw", "chem"), runs=runs, results_dir=str(RESULTS))
+        cfg = surrogate.SurrogateBenchConfig.fast(app_overrides=(("chem", "molecule", "water"),), **options) \
+            if args.quick else surrogate.SurrogateBenchConfig(**options)
         result = surrogate.run_surrogate_benchmark(cfg)
         print(json.dumps(surrogate.headline(result), indent=2))
         print("written", *surrogate.write_results(result, args.out))

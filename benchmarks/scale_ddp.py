@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from converge.bench.reference_training import (MODELS, PER_RANK_BATCH, Case, make_case, n_params, step_seconds,
-                                               train_step)
+from converge.bench.reference_training import (Case, default_models, make_case, n_params, per_rank_batch,
+                                               step_seconds, train_step)
 from converge.bench.scaling_model import Cluster, assumptions, cluster_allreduce_seconds, efficiency, predict
 from converge.bench.server_process import free_port
 from converge.data.atomic import atomic_write_bytes
@@ -85,7 +85,7 @@ class AllreduceClock:
 
 def measure_model(name: str, ranks: Ranks, warmup: int, steps: int) -> dict[str, Any]:
     """Every measurement of one model; collective: both ranks call it, rank 0's numbers are returned."""
-    b, world = PER_RANK_BATCH[name], ranks.world
+    b, world = per_rank_batch(name), ranks.world
 
     def fresh(ddp: bool = True, bucket_cap_mb: float = 25.0) -> tuple[nn.Module, torch.optim.Optimizer, Case]:
         case = make_case(name, b, seed=ranks.rank)
@@ -302,7 +302,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run (seconds of timing); results under runs/")
     ap.add_argument("--out", type=Path,
                     help="results folder (default benchmarks/results; with --quick runs/scale_ddp_quick)")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of gw, chem, mlp")
+    ap.add_argument("--models", default=",".join(default_models()), help="comma-separated: installed apps and mlp")
     ap.add_argument("--gpu-step-ms", help="measured GPU step times at the same per-GPU batch, e.g. gw=1.2,chem=5")
     ap.add_argument("--cpu-to-gpu", type=float, default=50.0,
                     help="otherwise: GPU step time = CPU step time / this factor (an assumption) ...")

@@ -66,9 +66,9 @@ from converge.serve.fallback import OOD, TrustConfig, TrustGate
 from converge.serve.protocol import DATATYPES, ValidationError, check_inputs
 from converge.serve.registry import load_served_model
 from converge.validate.calibration import load_calibration
-from converge.validate.chem_learning import ChemLearning, chem_spread
+from converge.apps.chem.learning import ChemLearning, chem_spread
 from converge.validate.ensemble import load_ensemble
-from converge.validate.ood import check_batch, load_envelope
+from converge.apps.chem.ood import check_batch, load_envelope
 
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = ("active", "random")

@@ -92,7 +92,7 @@ def test_detect_finds_loud_injections_at_the_right_gps_time(tiny_run):
     strain, placed = make_injection_strain(cfg, 32.0, injections, seed=3, gps_start=gps0)
     write_strain(tiny_run / "strain.hdf5", strain)
     thr = json.loads((tiny_run / "run" / "evaluation.json").read_text())["cnn"]["thresholds"]["1e-02"]
-    proc = converge("detect", tiny_run / "strain.hdf5", "--run", tiny_run / "run", "--threshold", thr)
+    proc = converge("detect", "gw", tiny_run / "strain.hdf5", "--run", tiny_run / "run", "--threshold", thr)
     result = json.loads((tiny_run / "strain.triggers.json").read_text())
     assert result["strain_seconds_per_second"] > 1
     for inj in placed:
@@ -103,7 +103,7 @@ def test_detect_finds_loud_injections_at_the_right_gps_time(tiny_run):
 
 def test_detect_refuses_a_wrong_sample_rate(tiny_run):
     write_strain(tiny_run / "s4096.hdf5", Strain(np.random.default_rng(0).normal(size=4096 * 16), 4096.0, 0.0, "H1"))
-    proc = converge("detect", tiny_run / "s4096.hdf5", "--run", tiny_run / "run", "--threshold", 0, check=False)
+    proc = converge("detect", "gw", tiny_run / "s4096.hdf5", "--run", tiny_run / "run", "--threshold", 0, check=False)
     assert proc.returncode == 2 and "sample rate 4096 Hz" in proc.stderr and "2048" in proc.stderr
 
 

@@ -8,7 +8,7 @@ import torch
 
 from converge.apps.chem.app import ChemApp
 from converge.validate.ensemble import load_ensemble
-from converge.validate.ood import check_in_distribution, load_envelope
+from converge.apps.chem.ood import check_in_distribution, load_envelope
 
 
 def converge(*args):

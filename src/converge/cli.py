@@ -6,25 +6,28 @@ named flags override both. The resolved config is saved with every output.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 OpenMP threads on 2 vCPUs stalled FFTs 40x here
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .config import ConfigError, check_sections, load_section, parse_overrides, read_toml
 from .data.store import StoreError
 
-SECTIONS = {"app", "simulate", "cluster", "train", "evaluate", "detect"}
+SECTIONS = {"app", "simulate", "cluster", "train", "evaluate", "learn"}
 console = Console(stderr=True)
 cli = typer.Typer(
     help="converge: turn an expensive simulation into a trusted neural surrogate.\n\n"
-    "Pipeline: simulate -> train -> evaluate (surrogate vs classical baseline) -> detect/predict.",
+    "Pipeline: simulate -> train -> evaluate (surrogate vs classical baseline) -> serve / predict; apps add "
+    "commands of their own (converge VERB APP, e.g. detect gw).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -45,8 +48,6 @@ def _tables(config: Optional[Path], sets: Optional[list[str]]) -> tuple[dict[str
 
 def _fail(message: str, code: int = 2) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every rank fails alike; one says why
-        from rich.markup import escape
-
         console.print(f"[bold red]error:[/] {escape(message)}")  # messages name [tables]: not markup
     raise typer.Exit(code)
 
@@ -60,7 +61,7 @@ def _threads() -> None:
 @cli.command("apps")
 def apps_cmd() -> None:
     """List the installed apps (the `converge.apps` entry-point group)."""
-    from .apps.base import available_apps
+    from .contract import available_apps
 
     for name, ep in sorted(available_apps().items()):
         print(f"{name}\t{ep.value}")  # type: ignore[attr-defined]
@@ -92,7 +93,7 @@ def simulate_cmd(
     are computed. Failed samples are retried, then recorded, and the command
     exits with status 1 naming them.
     """
-    from .apps.base import load_app
+    from .contract import load_app
     from .simulate.executors import ClusterConfig
     from .simulate.runner import SimulateConfig, run_ensemble
 
@@ -163,7 +164,7 @@ def train_cmd(
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """Train the app's surrogate on a simulated dataset (AdamW, one-cycle LR, autocast, DDP or FSDP)."""
-    from .apps.base import load_app
+    from .contract import load_app
     from .data.store import ShardStore, sha256_file
     from .train.checkpoint import CheckpointError
     from .train.distributed import launched_by_torchrun, plan_steps
@@ -269,7 +270,7 @@ def evaluate_cmd(
     sets: Optional[list[str]] = SetOpt,
 ) -> None:
     """Surrogate against the classical baseline on a fixed test set; writes RUN/evaluation.json and PNGs."""
-    from .apps.base import load_app
+    from .contract import load_app
     from .train.checkpoint import CheckpointError
 
     _threads()
@@ -285,39 +286,17 @@ def evaluate_cmd(
     print(json.dumps(application.summary(report), indent=2))
 
 
-@cli.command("detect")
-def detect_cmd(
-    strain: Path = typer.Argument(..., help="Strain file in the GWOSC HDF5 layout (strain/Strain, meta/GPSstart)."),
-    run: Path = typer.Option(..., "--run", "-r", help="A trained gw run directory."),
-    threshold: Optional[float] = typer.Option(None, help="Trigger threshold on the CNN logit "
-                                              "(default: the run's FAP 1e-3 threshold from evaluation.json)."),
-    stride: float = typer.Option(0.125, help="Seconds between window starts."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Triggers JSON (default STRAIN.triggers.json)."),
-) -> None:
-    """Slide the gw CNN along a strain file: Welch PSD, whitening, triggers (GPS time, score)."""
-    from .apps.gw.detect import StrainFileError, detect_file
-    from .train.checkpoint import CheckpointError
-
-    _threads()
-    try:
-        result = detect_file(strain, run, threshold=threshold, stride=stride, out=out)
-    except (StrainFileError, FileNotFoundError, ValueError, CheckpointError) as err:
-        _fail(str(err))
-    for trig in result["triggers"]:
-        print(f"GPS {trig['gps_time']:.3f}  score {trig['score']:.2f}")
-    console.print(f"{len(result['triggers'])} trigger(s); {result['strain_seconds_per_second']:.0f} s of strain "
-                  f"per second; written to {result['out']}")
-
-
 @cli.command("predict")
 def predict_cmd(
     app: str = typer.Argument(..., help="App name, e.g. chem."),
-    path: Path = typer.Argument(..., help="Input file (chem: .xyz / extxyz, coordinates in Å)."),
+    path: Path = typer.Argument(..., help="Input file (chem: .xyz / extxyz, coordinates in Å; gw: a GWOSC strain "
+                                "file)."),
     run: Path = typer.Option(..., "--run", "-r", help="A trained run directory."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (chem: FILE.predicted.extxyz)."),
 ) -> None:
-    """Use a trained surrogate on a file (chem: energies and forces of each frame, written as extxyz)."""
-    from .apps.base import load_app
+    """Use a trained surrogate on a file (App.predict_file; chem: energies and forces of each frame as extxyz, gw:
+    triggers at the run's FAP 1e-3 threshold)."""
+    from .contract import load_app
     from .train.checkpoint import CheckpointError
 
     _threads()
@@ -419,7 +398,7 @@ def bench_serve_cmd(
 
 @cli.command("learn")
 def learn_cmd(
-    app: str = typer.Argument(..., help="App name (chem, gw)."),
+    app: str = typer.Argument(..., help="App name (see `converge apps`)."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder of the rounds (resumed if present)."),
     budget: int = typer.Option(64, help="Simulator calls added over all rounds after the initial set."),
     rounds: int = typer.Option(4, help="Rounds of select -> simulate -> retrain."),
@@ -435,11 +414,6 @@ def learn_cmd(
     batch_size: int = typer.Option(8, help="Training batch size."),
     checkpoint_every: int = typer.Option(25, "--checkpoint-every", help="Epochs between a member's checkpoint "
                                          "writes: on a few dozen samples an epoch takes ~10 ms, a write ~40 ms."),
-    temperatures: Optional[str] = typer.Option(None, help="chem: conformer temperatures in K, comma-separated "
-                                               "(default the app's T and 2T)."),
-    shares: Optional[str] = typer.Option(None, help="chem: the candidate sampler's share of each temperature, "
-                                         "e.g. 8,4,2,1 (initial set and pools; default equal). The test set "
-                                         "takes every temperature alike: the range the surrogate must answer for."),
     from_queue: Optional[Path] = typer.Option(None, "--from-queue", help="Instead: turn the simulator answers "
                                               "`converge serve --fallback-queue DIR` kept into a dataset at "
                                               "--out, for `converge train --data`."),
@@ -448,23 +422,23 @@ def learn_cmd(
 ) -> None:
     """Active learning: simulate only where the ensemble disagrees (query by committee).
 
-    Each round trains an ensemble, scores a pool of cheap candidates (chem: normal-mode
-    conformers at T and 2T, labelled by DFT; gw: binaries from the prior, each scored on its
-    window in noise, the waveforms the training set gains), simulates the most disputed ones and retrains. Every round is
-    checkpointed: rerun the same command to continue. Writes OUT/learning_curve.png and
-    per-round metrics.json (test error against simulator calls).
+    Each round trains an ensemble, scores a pool of cheap candidates drawn from the app's
+    prior (App.learning_problem says what a candidate is and how the simulator labels it),
+    simulates the most disputed ones and retrains. The app's own options are the [learn]
+    table (e.g. chem: --set learn.temperatures=150,300,600,1200 --set learn.shares=8,4,2,1).
+    Every round is checkpointed: rerun the same command to continue. Writes
+    OUT/learning_curve.png and per-round metrics.json (test error against simulator calls).
     """
-    from .apps.base import load_app
+    from .contract import load_app
     from .train.loop import TrainConfig
     from .validate.active import compare_strategies, run_active_learning
 
     _threads()
     if from_queue is not None:
-        from .apps.base import load_app as _load_app
         from .validate.queue import QueueError, queue_to_dataset
 
         try:
-            store = queue_to_dataset(_load_app(app), from_queue, out)
+            store = queue_to_dataset(load_app(app), from_queue, out)
         except (QueueError, KeyError, StoreError) as err:
             _fail(str(err).strip("'\""))
         console.print(f"{len(store)} queued simulator answers stored in {out}; train on them with "
@@ -481,23 +455,20 @@ def learn_cmd(
                                                            "checkpoint_every": checkpoint_every})
         options = dict(initial=initial, budget=budget, rounds=rounds, pool_size=pool, seed=seed, members=members,
                        n_test=test, diversity=diversity, train_cfg=tcfg, progress=True)
-        if temperatures is not None or shares is not None:
-            if application.name != "chem":
-                _fail(f"--temperatures and --shares draw chem conformers; app {application.name!r} has neither")
-            from .config import parse_positive_floats
-            from .validate.chem_learning import ChemLearning
-
-            options["problem"] = ChemLearning(
-                application, app_cfg,
-                temperatures=parse_positive_floats(temperatures, "150,300,600,1200") if temperatures else None,
-                shares=parse_positive_floats(shares, "8,4,2,1") if shares else None)
+        if application.learn_config_cls is not None:
+            learn_options = load_section(application.learn_config_cls, tables, "learn", ov.get("learn"))
+        elif tables.get("learn") or ov.get("learn"):
+            raise ConfigError(f"app {application.name!r} takes no [learn] options")
+        else:
+            learn_options = None
+        options["problem"] = application.learning_problem(app_cfg, learn_options)
         if strategy == "both":
             result = compare_strategies(application, app_cfg, out, **options)
             console.print(f"active reaches random's final error with {result['calls_to_reach_random_final']} calls")
         else:
             history = run_active_learning(application, app_cfg, out, strategy=strategy, **options)
             console.print(json.dumps(history[-1], indent=2)[:1500])
-    except (ConfigError, KeyError, ValueError) as err:
+    except (ConfigError, KeyError, ValueError, NotImplementedError) as err:
         _fail(str(err).strip("'\""))
 
 
@@ -532,7 +503,7 @@ def bench_ddp_cmd(ctx: typer.Context) -> None:
 
 @bench_cli.command("surrogate", context_settings=PASS_THROUGH)
 def bench_surrogate_cmd(ctx: typer.Context) -> None:
-    """Simulator (matched-filter bank, DFT) against surrogate time per sample, with accuracy. --help: options."""
+    """Each app's classical method against its surrogate, time per sample, with accuracy. --help: options."""
     _run_module_main("converge.bench.surrogate", ctx)
 
 
@@ -544,21 +515,75 @@ def report_cmd(ctx: typer.Context) -> None:
 
 @cli.command("demo")
 def demo_cmd(
-    out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Where everything is written."),
+    out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Where everything is written (OUT/APP/)."),
     quick: bool = typer.Option(False, help="A much smaller run (a smoke test of a minute or two)."),
-    app: str = typer.Option("all", help="gw, chem or all."),
+    app: str = typer.Option("default", help="Comma-separated app names, or default: the reference apps gw and "
+                            "chem (any installed app with a demo can be named, a third party's included)."),
 ) -> None:
-    """Both reference apps end to end on small defaults (2 cores: 9 min with bf16 units, 12 min without).
+    """Apps end to end on small defaults; by default the two reference apps (2 cores: see the README's timings).
 
     gw: simulate -> train -> evaluate vs matched filtering -> detect in a strain file.
     chem: DFT ensemble -> train -> evaluate vs DFT and GFN2-xTB -> NVE dynamics.
     """
+    from .contract import available_apps
     from .demo import run_demo
 
-    if app not in ("gw", "chem", "all"):
-        _fail(f"--app {app!r}: choose gw, chem or all")
+    names = None if app == "default" else tuple(a.strip() for a in app.split(",") if a.strip())
+    unknown = sorted(set(names or ()) - set(available_apps()))
+    if unknown:
+        _fail(f"--app {app!r}: no installed app {', '.join(unknown)}; installed: {', '.join(sorted(available_apps()))}")
     _threads()
-    run_demo(out, quick=quick, apps=("gw", "chem") if app == "all" else (app,))
+    try:
+        run_demo(out, quick=quick, apps=names)
+    except NotImplementedError as err:
+        _fail(str(err))
+
+
+def app_command(verb: str, app_name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """An app's command function with its clear failures (:class:`~converge.contract.CommandError`) turned into
+    the CLI's error message and exit status 2; the signature (arguments, options) is the app's."""
+    from .contract import CommandError
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _threads()
+        try:
+            return function(*args, **kwargs)
+        except CommandError as err:
+            _fail(str(err))
+
+    return run
+
+
+def add_app_commands(root: typer.Typer) -> dict[str, list[str]]:
+    """``converge VERB APP ...`` for each command an installed app supplies (``App.commands``); returns the apps
+    by verb. An app that fails to load is skipped with a warning, so one broken package cannot take the CLI down."""
+    from .contract import app_classes
+
+    builtin = {c.name or c.callback.__name__ for c in root.registered_commands}
+    builtin |= {g.name for g in root.registered_groups}
+    classes, errors = app_classes()
+    for name, error in errors.items():
+        console.print(f"[yellow]warning:[/] app {name!r} did not load ({escape(error)}); its commands are left out")
+    verbs: dict[str, dict[str, Callable[..., Any]]] = {}
+    for name, cls in classes.items():
+        for verb, function in cls().commands().items():
+            if verb in builtin:
+                console.print(f"[yellow]warning:[/] app {name!r} offers the command {verb!r}, which converge "
+                              "already has; left out (name it otherwise)")
+                continue
+            verbs.setdefault(verb, {})[name] = function
+    for verb, by_app in sorted(verbs.items()):
+        group = typer.Typer(help=f"{verb}: a command of the app(s) {', '.join(by_app)}; "
+                            f"`converge {verb} APP --help` for its options.", no_args_is_help=True,
+                            rich_markup_mode=None)
+        for name, function in by_app.items():
+            group.command(name)(app_command(verb, name, function))
+        root.add_typer(group, name=verb)
+    return {verb: list(by_app) for verb, by_app in verbs.items()}
+
+
+APP_COMMANDS = add_app_commands(cli)
 
 
 def main() -> None:

@@ -39,6 +39,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
     if origin is tuple:
+        if isinstance(value, str):  # from --set section.key=a,b,c
+            value = [part.strip() for part in value.split(",") if part.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         item = args[0] if args else Any

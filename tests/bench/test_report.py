@@ -10,7 +10,7 @@ import pytest
 
 from converge.bench import collectives, gemm, surrogate
 from converge.bench.artifacts import pyplot, save_figure, write_json
-from converge.bench.report import NOT_MEASURED, SECTIONS, render_png, result_files, write_report
+from converge.bench.report import NOT_MEASURED, all_sections, render_png, result_files, write_report
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -103,9 +103,10 @@ def parse(path: Path) -> Page:
 def test_report_has_every_section_table_and_embedded_figure(results, tmp_path):
     info = write_report(results, tmp_path / "report.html")
     page = parse(info.path)
-    assert list(page.sections) == ["machine", *(s.key for s in SECTIONS)]
+    assert list(page.sections) == ["headline", "machine", *(s.key for s in all_sections())]
     assert "CPU" in page.sections["machine"]["text"] and page.sections["machine"]["tables"] == 1
-    expected = {"gemm": (4, 1), "allreduce": (2, 1), "serve": (2, 1), "surrogate": (2, 1), "precision": (1, 1),
+    expected = {"headline": (1, 0), "gemm": (4, 1), "allreduce": (2, 1), "serve": (2, 1), "surrogate": (2, 1),
+                "precision": (1, 1),
                 "gw": (2, 2), "chem": (1, 1)}  # (tables, figures); gemm: CPU and GPU files, 2 tables each
     for key, (n_tables, n_images) in expected.items():
         section = page.sections[key]
@@ -138,8 +139,8 @@ def test_report_is_self_contained(results, tmp_path):
 def test_an_empty_results_folder_says_not_measured_everywhere(tmp_path):
     info = write_report(tmp_path, tmp_path / "report.html")
     page = parse(info.path)
-    for section in SECTIONS:
-        assert NOT_MEASURED in page.sections[section.key]["text"]
+    for section in ["headline", *(s.key for s in all_sections())]:
+        assert NOT_MEASURED in page.sections[section]["text"]
     assert all(files == [] for files in info.files.values())
 
 
@@ -176,7 +177,8 @@ def test_report_renders_to_a_non_blank_png(results, tmp_path):
 
 
 def test_trust_and_peer_tables_carry_the_headline_numbers():
-    from converge.bench.report_tables import serve_tables, trust_tables
+    from converge.apps.chem.report import trust_tables
+    from converge.bench.report_tables import serve_tables
 
     trust = {"active": {"dft_calls": [8, 16], "test_mae": [1.5, 0.45], "calls_to_reach_random_final": 7.2,
                         "fraction_of_random_calls": 0.45}, "random": {"dft_calls": [8, 16], "test_mae": [1.5, 0.41]},

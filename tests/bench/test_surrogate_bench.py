@@ -4,8 +4,9 @@ import json
 import pytest
 
 from converge.bench.surrogate import (
-    SurrogateBenchConfig, accuracy_source, chem_accuracy, gw_accuracy, run_surrogate_benchmark, write_results,
+    SurrogateBenchConfig, accuracy_entry, accuracy_source, main, run_surrogate_benchmark, write_results,
 )
+from converge.contract import load_app
 
 GW_EVALUATION = {"n_noise": 1000, "n_templates": 8,
                  "cnn": {"efficiency": {"1e-02": {"4": 0.1, "6": 0.7, "8": 0.95, "10": 0.99}}},
@@ -16,9 +17,9 @@ GW_EVALUATION = {"n_noise": 1000, "n_templates": 8,
 def quick_run(tmp_path_factory):
     results = tmp_path_factory.mktemp("results")
     (results / "gw.json").write_text(json.dumps(GW_EVALUATION))  # no chem.json: its accuracy is missing
-    from dataclasses import replace
-
-    return run_surrogate_benchmark(replace(SurrogateBenchConfig.quick(), results_dir=str(results))), results
+    cfg = SurrogateBenchConfig.fast(apps=("gw", "chem"), results_dir=str(results),
+                                    app_overrides=(("chem", "molecule", "water"),))
+    return run_surrogate_benchmark(cfg), results
 
 
 def test_quick_run_is_well_formed(quick_run, tmp_path):
@@ -35,9 +36,11 @@ def test_quick_run_is_well_formed(quick_run, tmp_path):
     assert gw["n_templates"] == 8 and gw["simulator_batch"] == 4 and gw["simulator_seconds_per_sample"]["batched"] > 0
     assert gw["accuracy"]["source"] == str(results / "gw.json")
     assert gw["accuracy"]["cnn"] == {"1e-02": {"6": 0.7, "8": 0.95, "10": 0.99}}
+    assert gw["accuracy"]["headline"] == "efficiency at SNR 8, FAP 1e-02 per window: CNN 0.950, matched filter 0.990"
     chem = r["apps"]["chem"]
     assert chem["molecule"] == "water" and chem["simulator_seconds_per_sample"]["batched"] is None
-    assert "B3LYP" in chem["simulator"] and chem["accuracy"]["source"] is None
+    assert "B3LYP" in chem["simulator"] and chem["level_of_theory"] in chem["simulator"]
+    assert chem["accuracy"]["source"] is None
     assert "converge evaluate chem" in chem["accuracy"]["note"]
     json_path, png_path = write_results(r, tmp_path)
     assert json.loads(json_path.read_text())["apps"]["gw"]["n_templates"] == 8
@@ -45,6 +48,8 @@ def test_quick_run_is_well_formed(quick_run, tmp_path):
 
 
 def test_accuracy_comes_from_the_run_before_the_results_folder(tmp_path):
+    chem = load_app("chem")
+    ethanol, methanol = chem.config_cls(molecule="ethanol"), chem.config_cls(molecule="methanol")
     run, results = tmp_path / "run", tmp_path / "results"
     run.mkdir()
     results.mkdir()
@@ -52,19 +57,27 @@ def test_accuracy_comes_from_the_run_before_the_results_folder(tmp_path):
                                                                "force_mae_kcal_mol_A": 0.8}}))
     path, report = accuracy_source(str(run), str(results), "chem")
     assert path == results / "chem.json"
-    assert chem_accuracy(path, report, "ethanol") == {"source": str(path), "molecule": "ethanol",
-                                                      "energy_mae_kcal_mol": 0.1, "force_mae_kcal_mol_A": 0.8}
-    assert chem_accuracy(path, report, "methanol")["source"] is None
+    assert accuracy_entry(chem, ethanol, path, report) == {
+        "source": str(path), "molecule": "ethanol", "energy_mae_kcal_mol": 0.1, "force_mae_kcal_mol_A": 0.8,
+        "headline": "ethanol: energy MAE 0.1 kcal/mol, forces 0.8 kcal/mol/Å against DFT"}
+    assert accuracy_entry(chem, methanol, path, report)["source"] is None
     (run / "evaluation.json").write_text(json.dumps({"energy_mae_kcal_mol": 0.2, "level_of_theory": "B3LYP"}))
     path, report = accuracy_source(str(run), str(results), "chem")
     assert path == run / "evaluation.json"
-    assert chem_accuracy(path, report, "ethanol")["energy_mae_kcal_mol"] == 0.2
+    assert accuracy_entry(chem, ethanol, path, report)["energy_mae_kcal_mol"] == 0.2
     assert accuracy_source(None, str(tmp_path / "nowhere"), "gw") == (None, None)
-    assert gw_accuracy(None, None)["source"] is None
+    gw = load_app("gw")
+    assert accuracy_entry(gw, gw.config_cls(), None, None)["source"] is None
 
 
-def test_config_errors_say_how_to_fix_them():
-    with pytest.raises(ValueError, match="choose from gw, chem"):
+def test_config_errors_say_how_to_fix_them(capsys):
+    with pytest.raises(ValueError, match=r"choose from chem, .*gw"):
         SurrogateBenchConfig(apps=("weather",))
     with pytest.raises(ValueError, match="give cpu or cuda"):
         SurrogateBenchConfig(device="tpu")
+    with pytest.raises(ValueError, match="not among apps"):
+        SurrogateBenchConfig(apps=("gw",), runs=(("chem", "runs/chem"),))
+    for args, message in ((["--run", "runs/gw"], "write it as APP=RUN"),
+                          (["--set", "molecule=water"], "write APP.KEY=VALUE")):
+        assert main(args) == 2
+        assert message in capsys.readouterr().err

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from converge.apps.base import TensorSpec
+from converge.contract import TensorSpec
 from converge.serve import ServedModel
 
 # Integer weights and inputs: every product and sum is exact in float32, so batching cannot change a bit.

@@ -12,7 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from converge.apps.base import TensorSpec
+from converge.contract import TensorSpec
 from converge.serve import (AsyncClient, BatchConfig, ModelLoadError, ServedModel, ServerError, ServerSettings,
                             ValidationError, create_app)
 from converge.serve.access_log import AccessLog

@@ -6,7 +6,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from converge.apps.base import TensorSpec
+from converge.contract import TensorSpec
 from converge.apps.chem import ChemApp
 from converge.apps.chem.app import SYMBOL_OF
 from converge.apps.chem.config import ChemConfig
@@ -19,7 +19,7 @@ from converge.serve.protocol import HEADER_LENGTH, decode_infer_response, encode
 from converge.simulate.runner import SimulateConfig, run_ensemble
 from converge.train.loop import TrainConfig
 from converge.validate.ensemble import load_ensemble, train_ensemble
-from converge.validate.ood import fit_envelope, save_envelope
+from converge.apps.chem.ood import fit_envelope, save_envelope
 
 # Water at HF-cost DFT (LDA/STO-3G, < 0.1 s a point), as in tests/serve/test_apps.py
 CHEM = ChemConfig(molecule="water", level="custom", functional="lda,vwn", basis="sto-3g", density_fit=False,

@@ -20,7 +20,7 @@ MODELS = textwrap.dedent("""
 
     import torch
 
-    from converge.apps.base import TensorSpec
+    from converge.contract import TensorSpec
     from converge.serve import ServedModel
 
     INPUTS = [TensorSpec("x", "FP32", (-1, 4))]

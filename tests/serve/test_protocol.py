@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from converge.apps.base import TensorSpec
+from converge.contract import TensorSpec
 from converge.serve.protocol import (DATATYPES, HEADER_LENGTH, ValidationError, datatype_of, decode_infer_response,
                                      encode_infer_request, encode_infer_response, parse_infer_request)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy.integrate import solve_ivp
 
-from converge.apps.base import App, ArraySpec, Monitor
+from converge.contract import App, ArraySpec, Monitor
 from converge.config import ConfigError, from_dict
 from converge.data.store import CorruptShardError, ShardStore, StoreError
 from converge.simulate.runner import WORKER_DIED, RetryQueue, SampleOutcome, SimulateConfig, run_ensemble

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from converge.apps.base import load_app
+from converge.contract import load_app
 from converge.config import from_dict
 from converge.train.loop import TrainConfig, train
 

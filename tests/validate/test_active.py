@@ -19,7 +19,7 @@ from converge.validate.active import (
     select_candidates,
     share_initial_round,
 )
-from converge.validate.chem_learning import (
+from converge.apps.chem.learning import (
     ChemLearning,
     atom_force_spread,
     energy_spread_per_atom,
@@ -27,7 +27,7 @@ from converge.validate.chem_learning import (
     share_sequence,
 )
 from converge.validate.ensemble import EnsemblePrediction
-from converge.validate.ood import check_in_distribution, load_envelope
+from converge.apps.chem.ood import check_in_distribution, load_envelope
 
 
 def test_qbc_picks_the_highest_disagreement():
@@ -234,14 +234,16 @@ def test_learn_cli_passes_diversity_and_rejects_a_bad_one(tmp_path, one_thread, 
                                             "--set", "app.molecule=water"])
     assert result.exit_code == 2 and "learn.diversity=1.5" in result.output
     monkeypatch.setattr(active, "run_active_learning", lambda app, cfg, out, **kw: seen.update(kw) or [{}])
-    result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "c"), "--temperatures",
-                                            "300,1200", "--shares", "3,1"])
+    result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "c"), "--set",
+                                            "learn.temperatures=300,1200", "--set", "learn.shares=3,1"])
     assert result.exit_code == 0, result.output
     assert seen["problem"].temperatures == (300.0, 1200.0) and seen["problem"].shares == (3.0, 1.0)
-    for args, message in ((["--shares", "3,1,1"], "one share > 0 per temperature"),
-                          (["--shares", "3,x"], "give comma-separated numbers")):
-        result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "d"), "--temperatures",
-                                                "300,1200", *args])
-        assert result.exit_code == 2 and message in result.output, result.output
-    result = runner.invoke(cli_module.cli, ["learn", "gw", "--out", str(tmp_path / "e"), "--shares", "1,1"])
-    assert result.exit_code == 2 and "app 'gw' has neither" in result.output
+    for args, message in ((["--set", "learn.shares=3,1,1"], "one share > 0 per temperature (2)"),
+                          (["--set", "learn.shares=3,x"], "learn.shares: expected a number, got 'x"),
+                          (["--set", "learn.temperatures=-5"], "give temperatures > 0 K"),
+                          (["--set", "learn.colour=red"], "unknown key learn.colour")):
+        result = runner.invoke(cli_module.cli, ["learn", "chem", "--out", str(tmp_path / "d"), "--set",
+                                                "learn.temperatures=300,1200", *args])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    result = runner.invoke(cli_module.cli, ["learn", "gw", "--out", str(tmp_path / "e"), "--set", "learn.shares=1,1"])
+    assert result.exit_code == 2 and "app 'gw' takes no [learn] options" in result.output

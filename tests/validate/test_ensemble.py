@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from converge.apps.base import App, ArraySpec, Monitor
+from converge.contract import App, ArraySpec, Monitor
 from converge.data.sources import ArraySource, split_indices
 from converge.train.loop import TrainConfig, load_model, train
 from converge.validate.ensemble import (ENSEMBLE_FILE, EnsembleError, EnsembleModel, load_ensemble, member_config,

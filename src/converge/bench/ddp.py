@@ -20,11 +20,10 @@ step was measured here; on a CPU run the GPU step is assumed (CPU step / 50, at 
 1 ms) and labelled so. Under ``torchrun`` the ranks that exist are measured, with
 rank 0 alone as the one-process baseline.
 
-Reference models (the apps' defaults and precisions as ``auto`` resolves them): ``gw``,
-the detection CNN, bf16 where the hardware has bf16 units (else fp32), on whitened-noise
-windows; ``chem``, the ANI potential on ethanol, fp32, energies and
-forces (double backward); ``mlp``, a 1 M-parameter MLP: little compute per gradient
-byte, the communication-bound case.
+Reference models (:mod:`.reference_training`): each installed app's model on its
+``App.synthetic_batch`` at the app's default precision as ``auto`` resolves it (bf16 only
+where the hardware has bf16 units), and ``mlp``, a 1 M-parameter MLP: little compute per
+gradient byte, the communication-bound case.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,7 +47,8 @@ from ..train.distributed import Ranks, unused_parameters, wrap_model
 from .artifacts import finish, pyplot, save_figure, write_results_with_plot
 from .collectives import slowest, under_torchrun
 from .machine import describe_machine
-from .reference_training import CPU, MODELS, PER_RANK_BATCH, Case, make_case, n_params, step_seconds, train_step
+from .reference_training import (CPU, Case, default_models, make_case, n_params, per_rank_batch, step_seconds,
+                                 train_step)
 from .scaling_model import PREDICTED_GPUS, Cluster, assumptions, cluster_allreduce_seconds, efficiency, predict
 from .server_process import free_port
 
@@ -68,10 +68,10 @@ def replicas_spread(model: nn.Module) -> float:
 # -- configuration ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DDPBenchConfig:
-    models: tuple[str, ...] = MODELS
+    models: tuple[str, ...] = field(default_factory=default_models)  # installed apps' models, then mlp
     processes: tuple[int, ...] = (1, 2)  # each count is one launch of fresh ranks; 1 is the baseline
     device: str = "cpu"  # cpu (Gloo) | cuda (NCCL, one GPU per rank)
-    batch: int | None = None  # per rank; None: each model's PER_RANK_BATCH
+    batch: int | None = None  # per rank; None: each model's own (App.bench_batch_size)
     precision: str | None = None  # fp32 | bf16; None: each model's own
     warmup: int = 3
     steps: int = 20
@@ -79,8 +79,8 @@ class DDPBenchConfig:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not self.models or set(self.models) - set(MODELS):
-            raise ValueError(f"models={self.models}: choose from {', '.join(MODELS)}")
+        if not self.models or set(self.models) - set(default_models()):
+            raise ValueError(f"models={self.models}: choose from {', '.join(default_models())}")
         if not self.processes or min(self.processes) < 1 or 1 not in self.processes:
             raise ValueError(f"processes={self.processes}: give counts >= 1 including 1 (the efficiency "
                              "is against one process)")
@@ -102,7 +102,7 @@ class DDPBenchConfig:
 def measure_model(name: str, ranks: Ranks, device: torch.device, cfg: DDPBenchConfig, single: bool
                   ) -> dict[str, Any]:
     """One model on this launch's ranks (collective); ``single``: also rank 0 alone, the 1-process time."""
-    b = cfg.batch or PER_RANK_BATCH[name]
+    b = cfg.batch or per_rank_batch(name)
 
     def fresh(ddp: bool) -> tuple[nn.Module, torch.optim.Optimizer, Case]:
         case = make_case(name, b, seed=ranks.rank, device=device, precision=cfg.precision)
@@ -306,15 +306,17 @@ def parse_counts(text: str) -> tuple[int, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m converge.bench.ddp [--processes 1,2] [--models gw,chem,mlp] [--device cpu|cuda] [--out DIR]``."""
+    """``python -m converge.bench.ddp [--processes 1,2] [--models APP,...,mlp] [--device cpu|cuda] [--out DIR]``."""
     parser = argparse.ArgumentParser(prog="converge bench ddp", description=__doc__.split("\n\n")[0],
                                      epilog="Under torchrun: the ranks that exist, with rank 0 alone as the "
                                             "1-process baseline (--processes is ignored).")
     parser.add_argument("--processes", default=None, help="process counts, e.g. 1,2,4 (default 1,2 on CPU; "
                                                           "1,2,4,... up to every GPU on cuda)")
-    parser.add_argument("--models", default=",".join(MODELS), help="from gw,chem,mlp")
+    parser.add_argument("--models", default=None, help="comma-separated, from the installed apps and mlp "
+                                                      f"(default: {','.join(default_models())})")
     parser.add_argument("--device", default="cpu", help="cpu (Gloo) | cuda (NCCL)")
-    parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: gw 64, chem 32, mlp 256)")
+    parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: each app's "
+                                                                   "bench_batch_size, mlp 256)")
     parser.add_argument("--precision", default=None, help="fp32 | bf16 (default: each model's own)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (median)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -329,7 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             processes = tuple(2 ** k for k in range(8) if 2 ** k <= torch.cuda.device_count())
         else:
             processes = (1, 2)
-        cfg = DDPBenchConfig(models=tuple(m.strip() for m in args.models.split(",")), processes=processes,
+        models = tuple(m.strip() for m in args.models.split(",")) if args.models else default_models()
+        cfg = DDPBenchConfig(models=models, processes=processes,
                              device=args.device, batch=args.batch, precision=args.precision, warmup=args.warmup,
                              steps=args.steps, threads=args.threads)
         result = run_ddp_benchmark(cfg, progress=True)

@@ -1,11 +1,11 @@
 """The reference models of the training benchmarks, and one timed training step as the trainer takes it.
 
-Each trains at its app's default precision as ``--precision auto`` resolves it (bf16 for
-gw only where the hardware has bf16 units). ``gw``: the detection CNN (default GWConfig),
-on whitened-noise windows; ``chem``: the ANI potential (default ChemConfig: ethanol), fp32, energies and forces (double
-backward), on G2 geometries displaced by 0.03 Å Gaussian noise with zero labels (labels
-change no timing); ``mlp``: a 512-1024-512-1 GELU MLP (1.05 M parameters): little
-compute per gradient byte, the communication-bound case.
+A model is an installed app's (its default config's model, loss and ``App.synthetic_batch``;
+gw: the detection CNN on whitened-noise windows, chem: the ANI potential on displaced
+geometries, energies and forces by double backward), trained at the app's default
+precision as ``--precision auto`` resolves it (bf16 only where the hardware has bf16
+units); or ``mlp``: a 512-1024-512-1 GELU MLP (1.05 M parameters), little compute per
+gradient byte, the communication-bound case.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,9 +22,28 @@ from ..train.distributed import BatchForward, gradient_sync
 from ..train.loop import autocast_context
 from ..train.precision import resolve_precision
 
-MODELS = ("gw", "chem", "mlp")
-PER_RANK_BATCH = {"gw": 64, "chem": 32, "mlp": 256}
+MLP = "mlp"
+MLP_BATCH = 256  # per rank
 CPU = torch.device("cpu")
+
+
+def app_models() -> tuple[str, ...]:
+    """The installed apps that give a synthetic training batch (``App.synthetic_batch``), by name."""
+    from ..contract import app_classes
+
+    return tuple(name for name, cls in app_classes()[0].items() if cls.provides("synthetic_batch"))
+
+
+def default_models() -> tuple[str, ...]:
+    """Every app model, then the MLP."""
+    return (*app_models(), MLP)
+
+
+def per_rank_batch(name: str) -> int:
+    """Samples per rank and step: the app's ``bench_batch_size``, or :data:`MLP_BATCH`."""
+    from ..contract import load_app
+
+    return MLP_BATCH if name == MLP else load_app(name).bench_batch_size
 
 
 @dataclass
@@ -50,34 +68,24 @@ class MLPOnBatch(nn.Module):
 
 def make_case(name: str, batch_size: int, seed: int, device: torch.device = CPU, precision: str | None = None
               ) -> Case:
-    """The model (same initial weights on every rank) and a batch drawn with ``seed``."""
+    """The model of app ``name`` (or ``mlp``), with the same initial weights on every rank, and a batch drawn
+    with ``seed``."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(seed)
-    if name == "gw":
-        from ..apps.gw.app import GWApp
-        from ..apps.gw.config import GWConfig
-
-        app, cfg = GWApp(), GWConfig()
-        batch = {"input": torch.randn(batch_size, cfg.window_samples, generator=g),
-                 "label": (torch.rand(batch_size, generator=g) < 0.5).float(), "snr": torch.zeros(batch_size)}
-        net, loss, own = BatchForward(app, app.make_model(cfg)), (lambda out, b: app.loss(cfg, out, b)), "bf16"
-    elif name == "chem":
-        from ..apps.chem import ChemApp
-        from ..apps.chem.config import ChemConfig
-        from ..apps.chem.molecules import get_molecule
-
-        app, cfg = ChemApp(), ChemConfig()
-        mol = get_molecule(cfg.molecule)
-        r0 = torch.tensor(np.array(mol.positions), dtype=torch.float64)  # (A, 3) Å
-        coords = r0 + 0.03 * torch.randn(batch_size, *r0.shape, generator=g, dtype=torch.float64)  # (B, A, 3)
-        batch = {"species": torch.as_tensor(mol.atomic_numbers).repeat(batch_size, 1), "coordinates": coords,
-                 "energy_residual": torch.zeros(batch_size, dtype=torch.float64), "forces": torch.zeros_like(coords)}
-        net, loss, own = BatchForward(app, app.make_model(cfg)), (lambda out, b: app.loss(cfg, out, b)), "fp32"
-    elif name == "mlp":
+    if name == MLP:
         batch = {"input": torch.randn(batch_size, 512, generator=g), "target": torch.randn(batch_size, generator=g)}
         net, loss, own = MLPOnBatch(), (lambda out, b: (out - b["target"]).pow(2).mean()), "fp32"
     else:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        from ..contract import load_app
+
+        try:
+            app = load_app(name)
+        except KeyError:
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(default_models())}") from None
+        cfg = app.config_cls()
+        batch = app.synthetic_batch(cfg, batch_size, g)
+        net, own = BatchForward(app, app.make_model(cfg)), app.default_precision
+        loss = lambda out, b: app.loss(cfg, out, b)  # noqa: E731
     precision = precision or resolve_precision("auto", own, device)  # own: the app's default; fp32 if bf16 is emulated
     return Case(net.to(device), loss, {k: v.to(device) for k, v in batch.items()}, precision, device)
 

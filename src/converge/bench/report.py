@@ -1,8 +1,11 @@
 """One self-contained HTML page of every benchmark's latest results, and its rendering to PNG.
 
 ``write_report(results_dir, out_html)`` gathers ``results_dir`` (and its
-subfolders one level down, e.g. the GPU results of ``benchmarks/gpu_check.sh``):
-for each section of :data:`SECTIONS` the files ``STEM.json``, ``STEM_*.json``
+subfolders one level down, e.g. the GPU results of ``benchmarks/gpu_check.sh``).
+The page opens with the headline: one table of each app's surrogate against its
+classical method, accuracy and speed (from ``surrogate*.json``). Then, for each
+platform section of :data:`SECTIONS` and each section the installed apps supply
+(``App.report_sections``), the files ``STEM.json``, ``STEM_*.json``
 (``gemm.json`` beside ``gemm_gpu.json``) and their ``STEM*.png``, a table per
 result and every figure embedded as a base64 ``data:`` URI. No external CSS,
 scripts or fonts: the page opens offline, from anywhere. A section without
@@ -24,15 +27,15 @@ import struct
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
+from ..contract import ReportSection, app_classes
 from ..data.atomic import atomic_write_bytes
+from ..tables import Table
 from . import report_tables as tables
 from .machine import describe_machine, machine_line
-from .report_tables import Table
 
 PAGE_WIDTH = 1400  # px, the screenshot's width
 IMAGE_WIDTH = 1300  # px, the widest a figure is shown
@@ -41,39 +44,38 @@ CHROMIUM = "/usr/bin/chromium"
 NOT_MEASURED = "not measured yet"
 
 
-@dataclass(frozen=True)
-class Section:
-    key: str
-    title: str
-    stems: tuple[str, ...]  # file name stems: STEM.json, STEM_*.json, STEM-*.json and the PNGs alike
-    about: str
-    render: Callable[[dict], list[Table]]
-
-
-SECTIONS: tuple[Section, ...] = (
-    Section("gemm", "Matrix multiply (GEMM)", ("gemm",), "TFLOP/s of square products per precision and size, "
+SECTIONS: tuple[ReportSection, ...] = (  # the platform's; the apps add theirs
+    ReportSection("gemm", "Matrix multiply (GEMM)", ("gemm",), "TFLOP/s of square products per precision and size, "
             "against the theoretical peak (converge bench gemm).", tables.gemm_tables),
-    Section("allreduce", "Collectives", ("allreduce", "collectives"), "allreduce, allgather, reduce_scatter and "
+    ReportSection("allreduce", "Collectives", ("allreduce", "collectives"), "allreduce, allgather, reduce_scatter and "
             "broadcast over torch.distributed; bus bandwidth as nccl-tests define it (converge bench allreduce).",
             tables.collectives_tables),
-    Section("ddp", "Data-parallel training scaling", ("ddp", "scale", "scaling"), "training throughput against "
+    ReportSection("ddp", "Data-parallel training scaling", ("ddp", "scale", "scaling"), "training throughput against "
             "the number of DDP ranks, and a ring all-reduce model of GPU clusters (converge bench ddp).",
             tables.ddp_tables),
-    Section("serve", "Serving", ("serve",), "the model alone and converge serve under load, batching on and off "
+    ReportSection("serve", "Serving", ("serve",), "the model alone and converge serve under load, batching on and off "
             "(converge bench serve).", tables.serve_tables),
-    Section("surrogate", "Simulator against surrogate", ("surrogate",), "wall time per sample of each app's "
+    ReportSection("surrogate", "Simulator against surrogate", ("surrogate",), "wall time per sample of each app's "
             "simulator and its surrogate, same machine, one run, with accuracy alongside (converge bench "
             "surrogate).", tables.surrogate_tables),
-    Section("precision", "Training precision", ("precision",), "bf16 against fp32 training, side by side "
+    ReportSection("precision", "Training precision", ("precision",), "bf16 against fp32 training, side by side "
             "(benchmarks/precision.py).", tables.precision_tables),
-    Section("gw", "gw: CNN against matched filtering", ("gw",), "the detection CNN against the template bank on "
-            "the same fixed test windows (converge evaluate gw).", tables.gw_tables),
-    Section("trust", "Trust: active learning and uncertainty", ("trust",), "query by committee against random "
-            "sampling at equal DFT calls, and the ensemble spread off the training data (benchmarks/trust.py).",
-            tables.trust_tables),
-    Section("chem", "chem: network potential against DFT", ("chem",), "energy and force errors against DFT, "
-            "beside GFN2-xTB, and the speed-up (converge evaluate chem).", tables.chem_tables),
 )
+
+
+def app_sections() -> list[ReportSection]:
+    """The sections the installed apps supply (``App.report_sections``), app by app in name order; an app that
+    does not load gets a section saying so."""
+    classes, errors = app_classes()
+    found = [section for cls in classes.values() for section in cls().report_sections()]
+    return found + [ReportSection(f"app-{name}", name, (), f"app {name!r} did not load ({error}); its sections are "
+                                  "missing.", lambda result: []) for name, error in errors.items()]
+
+
+def all_sections() -> list[ReportSection]:
+    """The platform's sections, then the apps'."""
+    return [*SECTIONS, *app_sections()]
+
 
 STYLE = """
 body { font-family: sans-serif; margin: 24px 40px; color: #222; max-width: 1320px; }
@@ -128,7 +130,7 @@ def html_figure(path: Path) -> tuple[str, int]:
             f"<figcaption>{html.escape(path.name)}</figcaption></figure>", shown_h)
 
 
-def result_block(path: Path, results_dir: Path, section: Section) -> tuple[str, int]:
+def result_block(path: Path, results_dir: Path, section: ReportSection) -> tuple[str, int]:
     """One result file's heading, tables and notes; its estimated height in px."""
     try:
         result = json.loads(path.read_text())
@@ -153,7 +155,7 @@ def result_block(path: Path, results_dir: Path, section: Section) -> tuple[str, 
     return "".join(parts), height
 
 
-def section_block(section: Section, results_dir: Path) -> tuple[str, list[str], int]:
+def section_block(section: ReportSection, results_dir: Path) -> tuple[str, list[str], int]:
     """A section's HTML, the files it shows and its estimated height."""
     jsons = result_files(results_dir, section.stems, "json")
     pngs = result_files(results_dir, section.stems, "png")
@@ -177,25 +179,48 @@ def section_block(section: Section, results_dir: Path) -> tuple[str, list[str], 
     return "".join(parts), [str(p.relative_to(results_dir)) for p in jsons + pngs], height
 
 
+def headline_block(results_dir: Path) -> tuple[str, int]:
+    """The headline: each app's surrogate against its classical method, from the newest-named surrogate result."""
+    parts = ['<section id="headline"><h2>Surrogates against their classical methods</h2><p class="about">accuracy '
+             "and speed-up per sample, same machine, one run (converge bench surrogate); the detail follows in each "
+             "app's sections.</p>"]
+    found = result_files(results_dir, ("surrogate",), "json")
+    height = 110
+    for path in found:
+        try:
+            table = tables.headline_table(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            parts.append(f'<p class="missing">{html.escape(path.name)}: {html.escape(str(err))}</p>')
+            continue
+        parts.append(f"<h3>{html.escape(str(path.relative_to(results_dir)))}</h3>{html_table(table)}")
+        height += 60 + 26 * (len(table.rows) + 1)
+    if not found:
+        parts.append(f'<p class="missing">{NOT_MEASURED}</p>')
+    parts.append("</section>")
+    return "".join(parts), height
+
+
 def build_html(results_dir: str | Path, machine: dict[str, Any] | None = None) -> tuple[str, dict[str, list[str]],
                                                                                        int]:
     """The page's HTML, the files shown per section and the page's estimated height."""
     results_dir = Path(results_dir)
     machine = machine or describe_machine()
-    blocks, files, height = [], {}, 300
-    for section in SECTIONS:
+    sections = all_sections()
+    headline, height = headline_block(results_dir)
+    blocks, files, height = [], {}, 300 + height
+    for section in sections:
         block, shown, h = section_block(section, results_dir)
         blocks.append(block)
         files[section.key] = shown
         height += h
     machine_block = html_table(tables.machine_table(machine))
     height += 26 * (12 + len(machine.get("versions", {})))
-    nav = "".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in SECTIONS)
+    nav = "".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in sections)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     page = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>converge platform report</title>'
             f"<style>{STYLE}</style></head><body data-estimated-height=\"{height}\">"
             f"<h1>converge platform report</h1><p class=\"meta\">{date}; results from "
-            f"{html.escape(str(results_dir))}</p><nav>{nav}</nav>"
+            f"{html.escape(str(results_dir))}</p><nav>{nav}</nav>{headline}"
             f'<section id="machine"><h2>Machine</h2><p class="about">The machine this report was built on; each '
             f"result below names the machine it was measured on.</p>{machine_block}</section>"
             f"{''.join(blocks)}</body></html>\n")

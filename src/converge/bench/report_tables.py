@@ -6,28 +6,9 @@ changed benchmark degrades to a plain key/value table instead of a broken page.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping
 
-
-class Table(NamedTuple):
-    caption: str
-    header: Sequence[str]
-    rows: Sequence[Sequence[Any]]
-
-
-def fmt(value: Any) -> str:
-    """A cell: 3 significant digits for floats, yes/no for booleans, an en dash for missing values."""
-    if value is None:
-        return "\u2013"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
-def percent(value: float | None) -> str:
-    return "\u2013" if value is None else f"{100 * value:.0f}%"
+from ..tables import Table, fmt, percent
 
 
 def human_bytes(n: int) -> str:
@@ -155,22 +136,6 @@ def serve_tables(r: Mapping[str, Any]) -> list[Table]:
     return out
 
 
-def trust_tables(r: Mapping[str, Any]) -> list[Table]:
-    """Learning curves (test energy MAE against DFT calls) and the ensemble spread in and out of distribution."""
-    curve = [[name, *(fmt(e) for e in r[name]["test_mae"])] for name in ("active", "random")]
-    rows = [[k, fmt(v.get("mean_energy_spread_per_atom_kcal_mol")), percent(v.get("ood_flagged_fraction")),
-             percent(v.get("routed_to_simulator_fraction"))]
-            for k, v in r["spread"].items() if isinstance(v, dict) and "mean_energy_spread_per_atom_kcal_mol" in v]
-    return [Table("test energy MAE (kcal/mol) by DFT calls", ["strategy", *map(str, r["active"]["dft_calls"])],
-                  curve),
-            Table("ensemble spread per atom (kcal/mol)", ["inputs", "spread", "flagged out of distribution",
-                                                          "routed to DFT by the serving gate"], rows),
-            Table("target: active reaches random's final error with <= 50% of its DFT calls",
-                  ["random's final MAE", "active's calls to reach it", "of random's calls", "met"],
-                  [[fmt(r["random"]["test_mae"][-1]), fmt(r["active"].get("calls_to_reach_random_final")),
-                    percent(r["active"].get("fraction_of_random_calls")), fmt(r.get("target", {}).get("met"))]])]
-
-
 def surrogate_tables(r: Mapping[str, Any]) -> list[Table]:
     speed, accuracy = [], []
     for app, e in r["apps"].items():
@@ -186,21 +151,29 @@ def surrogate_tables(r: Mapping[str, Any]) -> list[Table]:
 
 
 def accuracy_rows(app: str, acc: Mapping[str, Any]) -> list[list[str]]:
-    """[app, metric, value, source] rows of a surrogate entry's accuracy (gw: efficiency by FAP, SNR)."""
+    """[app, metric, value, source] rows of a surrogate entry's accuracy; a nested entry (gw: method -> FAP -> SNR ->
+    efficiency) gives a row per inner mapping, its cells joined."""
     source = acc.get("source")
     if source is None:
         return [[app, "\u2013", "\u2013", acc.get("note", "")]]
     rows = []
     for key, value in acc.items():
-        if key in ("source", "note", "metric"):
+        if key in ("source", "note", "metric", "headline"):
             continue
-        if key in ("cnn", "matched_filter") and isinstance(value, Mapping):  # gw: {fap: {snr: efficiency}}
-            for fap, by_snr in value.items():
-                rows.append([app, f"{key} efficiency, FAP {fap}",
-                             ", ".join(f"SNR {snr}: {fmt(e)}" for snr, e in by_snr.items()), source])
+        if isinstance(value, Mapping) and all(isinstance(v, Mapping) for v in value.values()):
+            for sub, inner in value.items():
+                rows.append([app, f"{key}, {sub}", ", ".join(f"{k}: {fmt(v)}" for k, v in inner.items()), source])
         else:
             rows.append([app, key, fmt(value), source])
     return rows
+
+
+def headline_table(r: Mapping[str, Any]) -> Table:
+    """One row per app of ``surrogate.json``: the surrogate against its classical method, accuracy and speed."""
+    rows = [[app, e["surrogate"], e["simulator"], e["accuracy"].get("headline") or e["accuracy"].get("note", "\u2013"),
+             fmt(e["speedup"]["single"]), fmt(e["speedup"]["batched"])] for app, e in r["apps"].items()]
+    return Table(f"each app's surrogate against its classical method ({r['device']}, {r['threads']} thread(s), one run)",
+                 ["app", "surrogate", "classical method", "accuracy", "speed-up single", "speed-up batched"], rows)
 
 
 def precision_tables(r: Mapping[str, Any]) -> list[Table]:
@@ -215,34 +188,6 @@ def precision_tables(r: Mapping[str, Any]) -> list[Table]:
     return [Table("training throughput and final validation metrics", ["app", "precision", "samples/s", "val loss",
                                                                        "accuracy", "efficiency (FAP 1e-2)",
                                                                        "seconds"], rows)]
-
-
-def gw_tables(r: Mapping[str, Any]) -> list[Table]:
-    snrs = ("6", "8", "10", "12")
-    rows = []
-    for method in ("cnn", "matched_filter"):
-        for fap, by_snr in r[method]["efficiency"].items():
-            rows.append([method, fap, *(fmt(by_snr.get(s)) for s in snrs)])
-    speed = [[m, fmt(r[m]["seconds_per_strain_second"])] for m in ("cnn", "matched_filter")]
-    speed.append(["speed-up (matched filter / CNN)", fmt(r.get("speedup"))])
-    return [Table(f"detection efficiency, {r.get('n_noise')} noise windows, {r.get('n_templates')} templates",
-                  ["method", "FAP per window", *(f"SNR {s}" for s in snrs)], rows),
-            Table(f"compute seconds per second of strain ({r.get('threads')} thread(s))", ["method", "seconds"],
-                  speed)]
-
-
-def chem_tables(r: Mapping[str, Any]) -> list[Table]:
-    rows = []
-    for molecule, rep in r.items():
-        xtb = rep.get("baselines", {}).get("gfn2_xtb", {})
-        speed = rep.get("speed", {})
-        rows.append([molecule, rep.get("level_of_theory"), fmt(rep.get("energy_mae_kcal_mol")),
-                     fmt(rep.get("force_mae_kcal_mol_A")), fmt(rep.get("hot_energy_mae_kcal_mol")),
-                     fmt(xtb.get("energy_mae_kcal_mol")), fmt(speed.get("dft_seconds_per_conformer")),
-                     speed.get("dft_level", ""), fmt(rep.get("speedup_single")), fmt(rep.get("speedup_batched"))])
-    return [Table("ANI potential against DFT (energies kcal/mol, forces kcal/mol/A)",
-                  ["molecule", "trained on", "energy MAE", "force MAE", "hot energy MAE", "GFN2-xTB energy MAE",
-                   "DFT s/conformer", "timed level", "speed-up single", "speed-up batched"], rows)]
 
 
 def machine_table(machine: Mapping[str, Any]) -> Table:

@@ -123,7 +123,7 @@ def parse_counts(text: str) -> tuple[int, ...]:
 # -- inputs ----------------------------------------------------------------------------------------------------------
 def example_inputs(app_name: str, app_cfg: Any, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     """``n`` realistic samples for the served model of ``app_name`` (the app's ``serving_example``)."""
-    from ..apps.base import load_app
+    from ..contract import load_app
 
     try:
         return load_app(app_name).serving_example(app_cfg, n, seed)
@@ -196,7 +196,7 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
     """Model ceiling and the server sweep of one run (see the module docstring); server logs go to ``log_dir``."""
     import torch
 
-    from ..apps.base import load_app
+    from ..contract import load_app
     from ..config import from_dict
     from ..serve.protocol import check_inputs
     from ..serve.registry import load_served_model, run_config

@@ -3,7 +3,7 @@
 :class:`ArraySource` serves apps whose training samples are the stored arrays
 themselves (the chem app's conformers); apps that draw cheap randomness per
 batch (the gw app's fresh noise) write their own source on the same contract
-(:class:`converge.apps.base.BatchSource`).
+(:class:`converge.contract.BatchSource`).
 """
 from __future__ import annotations
 

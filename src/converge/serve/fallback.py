@@ -6,8 +6,8 @@ each sample. A sample is *untrusted* when
 - its uncertainty score (``App.uncertainty`` on an ensemble's mean and
   ``<name>_std`` outputs, in the app's unit: chem, the energy spread per atom in
   kcal/mol; gw, the std of the signal probability) exceeds ``max_uncertainty``; or
-- the run records its training distribution (chem: ``ood.json``, see
-  :mod:`converge.validate.ood`) and the sample lies outside it.
+- the run records its training distribution (``App.distribution_check``; chem:
+  the ``ood.json`` envelope of its conformers) and the sample lies outside it.
 
 Untrusted samples are never answered silently by the surrogate. With
 ``fallback="simulator"`` they are answered by ``App.simulate_inputs`` on exactly
@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..apps.base import App, TensorSpec, load_app
+from ..contract import App, TensorSpec, load_app
 from ..config import to_dict
 from ..data.atomic import atomic_write_bytes
 from .metrics import ServerMetrics

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import orjson
 
-from ..apps.base import TensorSpec
+from ..contract import TensorSpec
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 JSON_TYPE = "application/json"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..apps.base import App, TensorSpec, load_app
+from ..contract import App, TensorSpec, load_app
 from ..train.checkpoint import load_checkpoint
 from ..train.loop import PRECISIONS, autocast_context, load_model, resolve_device
 from ..train.precision import run_precision

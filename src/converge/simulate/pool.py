@@ -145,8 +145,8 @@ def run_on_local_pool(
     queue = RetryQueue(indices, job.retries)
     in_flight: dict[Future, int] = {}
     unsent: list[int] = []  # taken from the queue when the pool was found broken
-    # torch (through apps.base) is the slow import of nearly every app; no effect once the server runs
-    preload = (simulate_sample.__module__, "converge.apps.base", job.app_cls.__module__)
+    # torch (through the contract) is the slow import of nearly every app; no effect once the server runs
+    preload = (simulate_sample.__module__, "converge.contract", job.app_cls.__module__)
     with one_thread_per_worker():
         pool = make_pool(workers, preload)
         try:

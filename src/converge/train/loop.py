@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..apps.base import App, BatchSource
+from ..contract import App, BatchSource
 from ..config import ConfigError, to_dict
 from ..data.atomic import atomic_write_bytes
 from .checkpoint import (CheckpointError, checkpoint_path, load_checkpoint, load_sharded_checkpoint,

@@ -20,8 +20,7 @@ greedy form of the diversity step of batch-mode active learning (Brinker, "Incor
 diversity in active learning with support vector machines", ICML 2003).
 
 What is a candidate, how it is labelled and scored is the app's part, a
-:class:`LearningProblem` (chem: :class:`~converge.validate.chem_learning.ChemLearning`; gw:
-:class:`~converge.validate.gw_learning.GWLearning`).
+:class:`LearningProblem` that ``App.learning_problem`` returns.
 
 Layout of ``OUT`` (every file atomic; a rerun continues after the last finished
 round, and inside a round reuses its selection, labelled shards and members)::
@@ -36,7 +35,6 @@ round, and inside a round reuses its selection, labelled shards and members)::
 """
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import time
@@ -46,7 +44,7 @@ from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from ..apps.base import App
+from ..contract import App
 from ..config import ConfigError, to_dict
 from ..data.atomic import atomic_write_bytes, json_bytes, json_round_trip
 from ..data.sources import stream_seed
@@ -60,8 +58,6 @@ from .ensemble import EnsembleModel, EnsemblePrediction, load_ensemble, train_en
 STRATEGIES = ("qbc", "random")
 STREAM_INITIAL, STREAM_POOL, STREAM_RANDOM, STREAM_TEST = 1, 2, 3, 4  # independent seed streams
 LABEL_SHARD_SIZE = 8  # labelled samples per shard: an interrupted round loses at most these
-PROBLEMS = {"chem": "converge.validate.chem_learning:ChemLearning",  # app name -> default LearningProblem
-            "gw": "converge.validate.gw_learning:GWLearning"}
 
 
 class HeldOut(NamedTuple):
@@ -75,7 +71,7 @@ class HeldOut(NamedTuple):
 
 
 class LearningProblem(Protocol):
-    """The app's part of active learning (see :class:`~converge.validate.chem_learning.ChemLearning`)."""
+    """The app's part of active learning, as ``App.learning_problem`` returns it."""
 
     app: App
     app_cfg: Any  # the config models train with and stores record
@@ -189,13 +185,9 @@ def median_distance(descriptors: np.ndarray, max_points: int = 1024) -> float:
     return float(np.median(pdist(np.asarray(descriptors, dtype=np.float64)[:max_points])))
 
 
-def default_problem(app: App, app_cfg: Any) -> LearningProblem:
-    """The app's registered :class:`LearningProblem` (see :data:`PROBLEMS`)."""
-    if app.name not in PROBLEMS:
-        raise NotImplementedError(f"no active-learning problem for app {app.name!r}; pass problem=... "
-                                  f"(apps with one: {', '.join(PROBLEMS)})")
-    module, name = PROBLEMS[app.name].split(":")
-    return getattr(importlib.import_module(module), name)(app, app_cfg)
+def default_problem(app: App, app_cfg: Any, options: Any = None) -> LearningProblem:
+    """The app's :class:`LearningProblem` (``App.learning_problem``), with its ``[learn]`` options."""
+    return app.learning_problem(app_cfg, options)
 
 
 # -- labelling ----------------------------------------------------------------------

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..apps.base import App
+from ..contract import App
 from ..config import to_dict
 from ..data.atomic import atomic_write_bytes, json_bytes, json_round_trip, sha256_file
 from ..train.checkpoint import checkpoint_path

@@ -18,12 +18,12 @@ import torch
 
 from ...data.sources import ArraySource, split_indices
 from ...units import hartree_to_kcal_mol
-from ..base import App, ArraySpec, BatchSource, Monitor, TensorSpec
+from ...contract import App, ArraySpec, BatchSource, Monitor, TensorSpec
 from .config import ChemConfig
 from .dft import dft_energy_forces
 from .model import (ELEMENTS, ANIPotential, EnergiesForces, element_counts, fit_energy_scale, fit_self_energies,
                     from_config)
-from .molecules import ATOMIC_NUMBERS, get_molecule
+from .molecules import SYMBOL_OF, get_molecule
 from .sampling import reference_modes, sample_conformer
 
 
@@ -46,7 +46,7 @@ def network_energies_forces(model: ANIPotential, species: torch.Tensor, coordina
 
 def outside_envelope(envelope: Any, inputs: Mapping[str, np.ndarray]) -> list[list[str]]:
     """Per served sample, the reasons it lies outside the training envelope ([] when inside)."""
-    from ...validate.ood import check_batch
+    from .ood import check_batch
 
     return check_batch(envelope, inputs["species"], inputs["coordinates"])
 
@@ -58,9 +58,6 @@ def training_self_energies(species: torch.Tensor, energy: torch.Tensor) -> dict[
     """
     fitted = fit_self_energies(species, energy)
     return {z: float(np.float32(v)) for z, v in fitted.items()}
-
-
-SYMBOL_OF = {z: symbol for symbol, z in ATOMIC_NUMBERS.items()}  # atomic number -> element
 
 
 class ChemApp(App):
@@ -76,6 +73,19 @@ class ChemApp(App):
         from .evaluate import ChemEvalConfig
 
         return ChemEvalConfig
+
+    @property
+    def learn_config_cls(self) -> type:  # type: ignore[override]
+        from .learning import ChemLearnConfig
+
+        return ChemLearnConfig
+
+    def learning_problem(self, cfg: ChemConfig, options: Any = None) -> Any:
+        """Normal-mode conformers at ``options.temperatures`` labelled by DFT (:class:`.learning.ChemLearning`)."""
+        from .learning import ChemLearnConfig, ChemLearning
+
+        options = options or ChemLearnConfig()
+        return ChemLearning(self, cfg, temperatures=options.temperatures or None, shares=options.shares or None)
 
     def schema(self, cfg: ChemConfig) -> dict[str, ArraySpec]:
         n = len(get_molecule(cfg.molecule).symbols)
@@ -168,7 +178,7 @@ class ChemApp(App):
     def uncertainty(self, cfg: ChemConfig, inputs: Mapping[str, np.ndarray], mean: Mapping[str, np.ndarray],
                     std: Mapping[str, np.ndarray]) -> np.ndarray:
         """``sigma_E / sqrt(N_atoms)`` in kcal/mol, (B,): ANI's query-by-committee score."""
-        from ...validate.chem_learning import energy_spread_per_atom
+        from .learning import energy_spread_per_atom
 
         rho = energy_spread_per_atom(torch.from_numpy(np.asarray(std["energy"], dtype=np.float64)),
                                      torch.from_numpy(np.array(inputs["species"], dtype=np.int64)))
@@ -195,13 +205,13 @@ class ChemApp(App):
 
     def record_training_distribution(self, cfg: ChemConfig, arrays: Mapping[str, np.ndarray], run_dir: Path) -> None:
         """``run_dir/ood.json``: elements, closest pair distances and neighbour counts of the training conformers."""
-        from ...validate.ood import fit_envelope, save_envelope
+        from .ood import fit_envelope, save_envelope
 
         save_envelope(run_dir, fit_envelope(arrays["species"], arrays["coordinates"]))
 
     def distribution_check(self, cfg: ChemConfig, run_dir: Path):
-        """The run's training envelope (``ood.json``, :mod:`converge.validate.ood`), if it has one."""
-        from ...validate.ood import ENVELOPE_FILE, load_envelope
+        """The run's training envelope (``ood.json``, :mod:`converge.apps.chem.ood`), if it has one."""
+        from .ood import ENVELOPE_FILE, load_envelope
 
         if not (Path(run_dir) / ENVELOPE_FILE).is_file():
             return None
@@ -211,6 +221,38 @@ class ChemApp(App):
         from .calculator import predict_file
 
         return predict_file(run_dir, path, out)
+
+    def classical_baseline(self, cfg: ChemConfig, device: torch.device, quick: bool = False) -> Any:
+        """DFT at the config's level (the run's, the level the network reproduces; :mod:`.baseline`)."""
+        from .baseline import dft_baseline
+
+        return dft_baseline(cfg, device, quick)
+
+    def accuracy_summary(self, cfg: ChemConfig, report: Mapping[str, Any]) -> dict[str, Any]:
+        from .baseline import error_summary
+
+        return error_summary(cfg, report)
+
+    def synthetic_batch(self, cfg: ChemConfig, batch_size: int, generator: torch.Generator
+                        ) -> dict[str, torch.Tensor]:
+        """The molecule's G2 geometry displaced by N(0, 0.03 Å) per coordinate, zero labels (they change no timing)."""
+        mol = get_molecule(cfg.molecule)
+        r0 = torch.tensor(np.array(mol.positions), dtype=torch.float64)  # (A, 3) Å
+        coords = r0 + 0.03 * torch.randn(batch_size, *r0.shape, generator=generator, dtype=torch.float64)
+        return {"species": torch.as_tensor(mol.atomic_numbers).repeat(batch_size, 1), "coordinates": coords,
+                "energy_residual": torch.zeros(batch_size, dtype=torch.float64), "forces": torch.zeros_like(coords)}
+
+    demo_by_default = True
+
+    def demo(self, out: Path, quick: bool = False, workers: int = 2) -> dict:
+        from .demo import CHEM_QUICK, ChemDemoSize, run_chem_demo
+
+        return run_chem_demo(self, Path(out), CHEM_QUICK if quick else ChemDemoSize(), workers)
+
+    def report_sections(self) -> list:
+        from .report import SECTIONS
+
+        return list(SECTIONS)
 
     def summary(self, report: dict) -> dict:
         keys = ("molecule", "level_of_theory", "n_train", "energy_mae_kcal_mol", "force_mae_kcal_mol_A",

@@ -19,6 +19,7 @@ import numpy as np
 
 SUPPORTED_ELEMENTS = ("H", "C", "N", "O")  # the elements ANI-1 covers
 ATOMIC_NUMBERS = {"H": 1, "C": 6, "N": 7, "O": 8}
+SYMBOL_OF = {z: symbol for symbol, z in ATOMIC_NUMBERS.items()}  # atomic number -> element
 
 # built-in name -> key of the G2 collection in ase.build.molecule
 BUILTIN_G2_KEYS = {

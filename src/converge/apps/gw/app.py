@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..base import App, ArraySpec, BatchSource, Monitor, TensorSpec
+from ...contract import App, ArraySpec, BatchSource, Monitor, TensorSpec
 from .config import GWConfig
 from .model import DetectionCNN
 from .pipeline import WindowSource
@@ -56,6 +56,12 @@ class GWApp(App):
         from .evaluate import GWEvalConfig
 
         return GWEvalConfig
+
+    def learning_problem(self, cfg: GWConfig, options: Any = None) -> Any:
+        """Binaries from the prior, scored on a window in noise (:class:`.learning.GWLearning`)."""
+        from .learning import GWLearning
+
+        return GWLearning(self, cfg)
 
     def schema(self, cfg: GWConfig) -> dict[str, ArraySpec]:
         return {"signal": ArraySpec((cfg.stored_samples,), "float32")}
@@ -122,6 +128,47 @@ class GWApp(App):
         """The members' std of the signal probability, (B,). No ``simulate_inputs``: a window's
         matched-filter SNR is not the logit the surrogate serves, so gw cannot fall back to it."""
         return np.asarray(std["probability"], dtype=np.float64)
+
+    bench_batch_size = 64
+
+    def classical_baseline(self, cfg: GWConfig, device: torch.device, quick: bool = False) -> Any:
+        """The matched-filter bank on the same windows (:mod:`.baseline`)."""
+        from .baseline import matched_filter_baseline
+
+        return matched_filter_baseline(cfg, device, quick)
+
+    def accuracy_summary(self, cfg: GWConfig, report: Mapping[str, Any]) -> dict[str, Any]:
+        from .baseline import efficiency_summary
+
+        return efficiency_summary(report)
+
+    def synthetic_batch(self, cfg: GWConfig, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """White-noise windows, half labelled signal (labels change no timing)."""
+        return {"input": torch.randn(batch_size, cfg.window_samples, generator=generator),
+                "label": (torch.rand(batch_size, generator=generator) < 0.5).float(), "snr": torch.zeros(batch_size)}
+
+    def commands(self) -> dict:
+        from .commands import detect
+
+        return {"detect": detect}
+
+    def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
+        """Triggers of the CNN in a GWOSC-layout strain file at the run's FAP 1e-3 threshold (``detect``)."""
+        from .detect import detect_file
+
+        return Path(detect_file(path, run_dir, out=out)["out"])
+
+    demo_by_default = True
+
+    def demo(self, out: Path, quick: bool = False, workers: int = 2) -> dict:
+        from .demo import QUICK, DemoSize, run_gw_demo
+
+        return run_gw_demo(self, Path(out), QUICK if quick else DemoSize(), workers)
+
+    def report_sections(self) -> list:
+        from .report import SECTIONS
+
+        return list(SECTIONS)
 
     def summary(self, report: dict) -> dict:
         keep = {}

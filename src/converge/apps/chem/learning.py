@@ -29,21 +29,22 @@ close exactly when their shapes are (up to a mirror image).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from ..apps.chem.config import ChemConfig
-from ..apps.chem.molecules import get_molecule
-from ..apps.chem.sampling import SamplingError, reference_modes, sample_conformer
-from ..simulate.sample import draw_parameters
-from ..units import hartree_to_kcal_mol
-from .active import HeldOut
-from .ensemble import EnsembleModel, EnsemblePrediction
+from ...config import ConfigError
+from ...simulate.sample import draw_parameters
+from ...units import hartree_to_kcal_mol
+from ...validate.active import HeldOut
+from ...validate.ensemble import EnsembleModel, EnsemblePrediction
+from .config import ChemConfig
+from .molecules import get_molecule
 from .ood import fit_envelope, save_envelope
+from .sampling import SamplingError, reference_modes, sample_conformer
 
 CHEMICAL_ACCURACY_KCAL_MOL = 1.0  # the usual target for an energy error
 
@@ -93,6 +94,28 @@ def chem_spread(prediction: EnsemblePrediction, species: torch.Tensor | np.ndarr
     return ChemSpread(prediction.mean["energy"], prediction.std["energy"],
                       energy_spread_per_atom(prediction.std["energy"], species), prediction.mean["forces"],
                       atom_force_spread(prediction.std["forces"]))
+
+
+@dataclass(frozen=True)
+class ChemLearnConfig:
+    """The ``[learn]`` options of chem (``--set learn.temperatures=300,1200 --set learn.shares=3,1``).
+
+    ``temperatures``: conformer temperatures in K (empty: the app's T and 2T); ``shares``: the
+    candidate sampler's share of each (initial set and pools; empty: equal). The test set takes
+    every temperature alike: the range the surrogate must answer for.
+    """
+
+    temperatures: tuple[float, ...] = ()
+    shares: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(t <= 0 for t in self.temperatures):
+            raise ConfigError(f"learn.temperatures={list(self.temperatures)}: give temperatures > 0 K, "
+                              "comma-separated, e.g. 150,300,600,1200")
+        n = len(self.temperatures) or 2
+        if self.shares and (len(self.shares) != n or min(self.shares) <= 0):
+            raise ConfigError(f"learn.shares={list(self.shares)}: give one share > 0 per temperature ({n}), "
+                              "e.g. 8,4,2,1 for four temperatures")
 
 
 class ChemLearning:
@@ -197,5 +220,5 @@ class ChemLearning:
         return HeldOut(metrics, energy_std, energy_error, "energy", "kcal/mol")
 
     def after_training(self, ensemble_dir: Path, arrays: Mapping[str, np.ndarray]) -> None:
-        """The training set's envelope (``ood.json``), for :func:`~converge.validate.ood.check_in_distribution`."""
+        """The training set's envelope (``ood.json``), for :func:`~converge.apps.chem.ood.check_in_distribution`."""
         save_envelope(ensemble_dir, fit_envelope(arrays["species"], arrays["coordinates"]))

@@ -4,17 +4,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ase import Atoms
 from rich.console import Console
 from rich.table import Table
 
-from .apps.chem import Calculator, ChemApp, ChemConfig
-from .apps.chem.evaluate import ChemEvalConfig
-from .apps.chem.md import nve_drift
-from .data.store import ShardStore
-from .simulate.runner import SimulateConfig, run_ensemble
-from .train.loop import TrainConfig, train
+from ...data.store import ShardStore
+from ...simulate.runner import SimulateConfig, run_ensemble
+from ...train.loop import TrainConfig, train
+from .calculator import Calculator
+from .config import ChemConfig
+from .evaluate import ChemEvalConfig
+from .md import nve_drift
 
 console = Console()
 
@@ -31,9 +33,9 @@ class ChemDemoSize:
 CHEM_QUICK = ChemDemoSize(molecule="water", train_samples=30, test_samples=10, epochs=20, md_ps=0.01)
 
 
-def run_chem_demo(out: Path, size: ChemDemoSize, workers: int) -> dict:
+def run_chem_demo(app: Any, out: Path, size: ChemDemoSize, workers: int) -> dict:
+    """DFT ensemble -> train -> evaluate against DFT and GFN2-xTB -> NVE dynamics with the ASE calculator."""
     out.mkdir(parents=True, exist_ok=True)
-    app = ChemApp()
     cfg = ChemConfig(molecule=size.molecule, level="fast")
     timings: dict[str, float] = {}
     console.rule(f"[bold]chem 1/4 simulate: {size.molecule} conformers by normal-mode sampling, "

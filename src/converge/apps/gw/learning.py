@@ -26,11 +26,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..apps.gw.config import GWConfig
-from ..apps.gw.pipeline import crop_windows, scale_to_snr, whitened_noise
-from ..simulate.sample import draw_parameters
-from .active import HeldOut
-from .ensemble import EnsembleModel, EnsemblePrediction
+from ...simulate.sample import draw_parameters
+from ...validate.active import HeldOut
+from ...validate.ensemble import EnsembleModel, EnsemblePrediction
+from .config import GWConfig
+from .pipeline import crop_windows, scale_to_snr, whitened_noise
 
 NOISE_SEED_RANGE = 2**31  # candidate noise seeds are drawn in [0, this)
 

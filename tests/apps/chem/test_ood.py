@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from converge.apps.chem.molecules import get_molecule
-from converge.validate.ood import (TrainingEnvelope, check_batch, check_in_distribution, fit_envelope, load_envelope,
+from converge.apps.chem.ood import (TrainingEnvelope, check_batch, check_in_distribution, fit_envelope, load_envelope,
                                    save_envelope)
 
 METHANOL = get_molecule("methanol")  # C, O, H, H, H, H (G2 geometry)

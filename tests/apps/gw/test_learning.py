@@ -8,7 +8,7 @@ import torch
 from converge.apps.gw import GWApp, GWConfig
 from converge.train.loop import TrainConfig
 from converge.validate.active import round_dir, run_active_learning
-from converge.validate.gw_learning import GWLearning, binary_cross_entropy, candidate_window
+from converge.apps.gw.learning import GWLearning, binary_cross_entropy, candidate_window
 
 CFG = GWConfig(channels=(4, 4, 8), hidden=8)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data.atomic import atomic_write_bytes, json_bytes
+from ...data.atomic import atomic_write_bytes, json_bytes
 
 ENVELOPE_FILE = "ood.json"
 NEIGHBOUR_CUTOFF = 5.2  # Å, ANI-1x radial AEV cutoff R_cr: an atom sees no farther
