@@ -13,9 +13,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first: 2.13.0 is a local CPU build on these machines; anything else pulls a CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+# examples/darcy: a third app in a package of its own (the plug-in contract's test installs it too).
+$(STAMP): $(BIN)/python pyproject.toml examples/darcy/pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e examples/darcy
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -23,8 +23,9 @@ from .config import ChemConfig
 from .dft import dft_energy_forces
 from .model import (ELEMENTS, ANIPotential, EnergiesForces, element_counts, fit_energy_scale, fit_self_energies,
                     from_config)
+from .molecule_set import PAD_SPECIES, is_multi, modes_of, molecule_set, n_atoms, pad_atoms
 from .molecules import SYMBOL_OF, get_molecule
-from .sampling import reference_modes, sample_conformer
+from .sampling import sample_conformer
 
 
 def network_energies_forces(model: ANIPotential, species: torch.Tensor, coordinates: torch.Tensor,
@@ -88,23 +89,32 @@ class ChemApp(App):
         return ChemLearning(self, cfg, temperatures=options.temperatures or None, shares=options.shares or None)
 
     def schema(self, cfg: ChemConfig) -> dict[str, ArraySpec]:
-        n = len(get_molecule(cfg.molecule).symbols)
-        return {"species": ArraySpec((n,), "int64"), "coordinates": ArraySpec((n, 3), "float64"),
-                "energy": ArraySpec((), "float64"), "forces": ArraySpec((n, 3), "float64")}
+        """One conformer: species, coordinates, DFT energy and forces; a set of molecules pads them to
+        ``n_atoms(cfg)`` (species -1) and stores the index of the molecule."""
+        n = n_atoms(cfg)
+        out = {"species": ArraySpec((n,), "int64"), "coordinates": ArraySpec((n, 3), "float64"),
+               "energy": ArraySpec((), "float64"), "forces": ArraySpec((n, 3), "float64")}
+        return {**out, "molecule": ArraySpec((), "int64")} if is_multi(cfg) else out
 
     def sample_parameters(self, cfg: ChemConfig, rng: np.random.Generator) -> dict[str, float]:
         # a float64 holds integers exactly up to 2**53: the conformer's own seed
-        return {"conformer_seed": float(rng.integers(2**53))}
+        seed = float(rng.integers(2**53))
+        if not is_multi(cfg):
+            return {"conformer_seed": seed}
+        return {"molecule": float(rng.integers(len(molecule_set(cfg)))), "conformer_seed": seed}
 
     def simulate(self, cfg: ChemConfig, params: Mapping[str, float]) -> dict[str, np.ndarray]:
-        mol = get_molecule(cfg.molecule)
-        modes = reference_modes(cfg)
+        index = int(params.get("molecule", 0))
+        mol = molecule_set(cfg)[index]
         rng = np.random.default_rng(int(params["conformer_seed"]))
-        positions = sample_conformer(modes, cfg.temperature, rng, cfg.min_distance)
+        positions = sample_conformer(modes_of(cfg, index), cfg.temperature, rng, cfg.min_distance)
         result = dft_energy_forces(mol.symbols, positions, cfg)
-        return {"species": np.asarray(mol.atomic_numbers, dtype=np.int64), "coordinates": positions.astype(np.float64),
-                "energy": np.float64(result.energy_hartree),
-                "forces": result.forces_hartree_per_angstrom.astype(np.float64)}
+        n = n_atoms(cfg)
+        out = {"species": pad_atoms(np.asarray(mol.atomic_numbers, dtype=np.int64), n, PAD_SPECIES),
+               "coordinates": pad_atoms(positions.astype(np.float64), n, 0.0),
+               "energy": np.float64(result.energy_hartree),
+               "forces": pad_atoms(result.forces_hartree_per_angstrom.astype(np.float64), n, 0.0)}
+        return {**out, "molecule": np.int64(index)} if is_multi(cfg) else out
 
     def make_model(self, cfg: ChemConfig) -> ANIPotential:
         return from_config(cfg)
@@ -134,16 +144,18 @@ class ChemApp(App):
                                        create_graph=model.training and torch.is_grad_enabled())
 
     def loss(self, cfg: ChemConfig, output: EnergiesForces, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """MSE of energies plus ``force_weight`` x MSE of force components, in kcal/mol (and /Å)."""
+        """MSE of energies plus ``force_weight`` x MSE of the real atoms' force components, in kcal/mol (and /Å)."""
         e = hartree_to_kcal_mol(output.energy - batch["energy_residual"].to(output.energy.dtype))
         f = hartree_to_kcal_mol(output.forces - batch["forces"].to(output.forces.dtype))
-        return e.pow(2).mean() + cfg.force_weight * f.pow(2).mean()
+        real = (batch["species"] > 0).unsqueeze(-1).to(f.dtype)  # (B, A, 1): padding atoms carry no force
+        return e.pow(2).mean() + cfg.force_weight * (f.pow(2) * real).sum() / (3 * real.sum()).clamp(min=1)
 
     def metrics(self, outputs: EnergiesForces, batches: Mapping[str, torch.Tensor]) -> dict[str, float]:
         from .evaluate import error_report
 
         return error_report(outputs.energy.double().numpy(), outputs.forces.double().numpy(),
-                            batches["energy_residual"].double().numpy(), batches["forces"].double().numpy())
+                            batches["energy_residual"].double().numpy(), batches["forces"].double().numpy(),
+                            real=batches["species"].numpy() > 0)
 
     def evaluate(self, run_dir: Path, data_dir: Path, out_dir: Path, **options: Any) -> dict:
         from .evaluate import evaluate_run
@@ -151,19 +163,22 @@ class ChemApp(App):
         return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
 
     def serving_signature(self, cfg: ChemConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        n = len(get_molecule(cfg.molecule).symbols)  # molecules of the trained size; pad with 0 for fewer atoms
+        n = n_atoms(cfg)  # molecules of up to the trained size; pad fewer atoms with species -1 (or 0)
         inputs = [TensorSpec("species", "INT64", (-1, n)), TensorSpec("coordinates", "FP32", (-1, n, 3))]
         outputs = [TensorSpec("energy", "FP64", (-1,)), TensorSpec("forces", "FP32", (-1, n, 3))]
         return inputs, outputs
 
     def serving_example(self, cfg: ChemConfig, n: int, seed: int = 0) -> dict[str, np.ndarray]:
-        """Normal-mode-sampled conformers of the run's molecule (xTB modes, cached per process)."""
-        mol = get_molecule(cfg.molecule)
-        modes = reference_modes(cfg)
+        """Normal-mode-sampled conformers of the run's molecules in turn, padded (xTB modes, cached per process)."""
         rng = np.random.default_rng(seed)
-        coordinates = np.stack([sample_conformer(modes, cfg.temperature, rng, cfg.min_distance) for _ in range(n)])
-        species = np.broadcast_to(np.asarray(mol.atomic_numbers, dtype=np.int64), (n, len(mol.atomic_numbers)))
-        return {"species": species.copy(), "coordinates": coordinates.astype(np.float32)}  # (n, A), (n, A, 3)
+        mols, size = molecule_set(cfg), n_atoms(cfg)
+        species, coordinates = [], []
+        for k in range(n):
+            index = k % len(mols)
+            positions = sample_conformer(modes_of(cfg, index), cfg.temperature, rng, cfg.min_distance)
+            species.append(pad_atoms(np.asarray(mols[index].atomic_numbers, dtype=np.int64), size, PAD_SPECIES))
+            coordinates.append(pad_atoms(positions, size, 0.0))
+        return {"species": np.stack(species), "coordinates": np.stack(coordinates).astype(np.float32)}
 
     def serve_predict(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Energies (hartree, float64: self-energies added in float64) and forces (hartree/Å)."""

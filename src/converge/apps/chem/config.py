@@ -21,7 +21,9 @@ class ChemConfig:
     - ``custom``: ``functional``, ``basis``, ``density_fit`` and ``grid_level`` as given.
     """
 
-    molecule: str = "ethanol"  # a built-in name, or a path to an .xyz / extxyz file
+    molecule: str = "ethanol"  # a built-in name, a path to an .xyz / extxyz file, or smiles:SMILES
+    molecules: str = ""  # a set instead: a library (chno_1to4, chno_5to7) or a .smi/.sdf/.xyz file (molecule_set.py)
+    max_atoms: int = 0  # atoms per stored sample of a set: its largest molecule, or this if larger
     level: str = "fast"
     functional: str = "b3lyp"
     basis: str = "6-31g*"
@@ -50,6 +52,8 @@ class ChemConfig:
             raise ConfigError(f"app.grid_level={self.grid_level}: PySCF grid levels run from 0 to 9")
         if not self.hidden or min(self.hidden) < 1:
             raise ConfigError(f"app.hidden={self.hidden}: give positive layer widths, e.g. [160, 128, 96]")
+        if self.max_atoms < 0:
+            raise ConfigError(f"app.max_atoms={self.max_atoms}: give a number of atoms >= 0 (0: the largest molecule)")
         if self.force_weight < 0:
             raise ConfigError(f"app.force_weight={self.force_weight}: must be >= 0")
 

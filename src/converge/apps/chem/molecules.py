@@ -41,6 +41,7 @@ BUILTIN_G2_KEYS = {
     "carbon_dioxide": "CO2",
 }
 XYZ_SUFFIXES = (".xyz", ".extxyz")
+SMILES_PREFIX = "smiles:"  # get_molecule("smiles:CCO"): a molecule given by SMILES
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,10 +143,15 @@ def read_molecule(path: str | Path) -> Molecule:
 def get_molecule(name_or_path: str | Path) -> Molecule:
     """A built-in molecule by name, or the molecule in an .xyz / extxyz file.
 
-    A string that names a built-in is the built-in; anything else is treated as a
-    path if it ends in .xyz / .extxyz or names an existing file.
+    A string that names a built-in is the built-in; ``smiles:SMILES`` is embedded by RDKit
+    (:func:`~.smiles.molecule_from_smiles`); anything else is treated as a path if it ends
+    in .xyz / .extxyz or names an existing file.
     """
     text = str(name_or_path)
+    if not isinstance(name_or_path, Path) and text.startswith(SMILES_PREFIX):
+        from .smiles import molecule_from_smiles
+
+        return molecule_from_smiles(text[len(SMILES_PREFIX):])
     if not isinstance(name_or_path, Path) and text.lower() in BUILTIN_G2_KEYS:
         return builtin_molecule(text)
     if isinstance(name_or_path, Path) or text.lower().endswith(XYZ_SUFFIXES) or Path(text).is_file():

@@ -1,0 +1,88 @@
+"""The molecules one chem dataset spans, their normal modes, and padding to a common atom count.
+
+``ChemConfig.molecules`` names the set: empty for the one molecule ``ChemConfig.molecule``
+(a built-in, an .xyz path or ``smiles:SMILES``), a built-in library (``chno_1to4``, the
+closed-shell neutral CHNO molecules with 1-4 heavy atoms; ``chno_5to7``), or a file of
+molecules (.smi, .sdf, .xyz; :func:`~.smiles.read_molecules`). A molecule given by SMILES is
+embedded by RDKit (ETKDG, seeded) and, as every molecule here, optimised with GFN2-xTB
+before its normal modes are taken (:func:`~.sampling.compute_normal_modes`).
+
+Samples of a set are padded to ``n_atoms`` atoms as TorchANI pads them: species -1,
+coordinates and forces 0. The model and the losses skip padding atoms, so padding never
+changes an energy.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .config import ChemConfig
+from .molecules import Molecule, get_molecule
+from .sampling import NormalModes, compute_normal_modes, reference_modes
+
+PAD_SPECIES = -1  # as TorchANI pads species
+
+
+@lru_cache(maxsize=8)
+def _load_set(molecules: str, molecule: str) -> tuple[Molecule, ...]:
+    if not molecules:
+        return (get_molecule(molecule),)
+    from .smiles import LIBRARIES, library, molecule_from_smiles, read_molecules
+
+    if molecules in LIBRARIES:
+        return tuple(molecule_from_smiles(smi, name) for name, smi in library(molecules))
+    path = Path(molecules)
+    if not path.is_file():
+        raise ValueError(f"app.molecules={molecules!r}: neither a library ({', '.join(LIBRARIES)}) nor a file of "
+                         "molecules (.smi, .sdf, .xyz)")
+    found = tuple(mol for _, _, mol in read_molecules(path))
+    if not found:
+        raise ValueError(f"app.molecules={molecules!r}: the file holds no molecules")
+    return found
+
+
+def molecule_set(cfg: ChemConfig) -> tuple[Molecule, ...]:
+    """The molecules of ``cfg``'s dataset, in a fixed order (a sample's ``molecule`` indexes it)."""
+    return _load_set(cfg.molecules, cfg.molecule)
+
+
+def is_multi(cfg: ChemConfig) -> bool:
+    """Whether ``cfg`` spans a set of molecules (samples padded, ``molecule`` stored) rather than one."""
+    return bool(cfg.molecules)
+
+
+def n_atoms(cfg: ChemConfig) -> int:
+    """Atoms per stored sample: the largest molecule of the set, or ``cfg.max_atoms`` if that is larger."""
+    return max(cfg.max_atoms, max(m.n_atoms for m in molecule_set(cfg)))
+
+
+@lru_cache(maxsize=256)
+def _set_modes(molecules: str, molecule: str, index: int) -> NormalModes:
+    mol = _load_set(molecules, molecule)[index]
+    return compute_normal_modes(mol.symbols, mol.positions, "xtb")
+
+
+def modes_of(cfg: ChemConfig, index: int) -> NormalModes:
+    """Normal modes of molecule ``index`` of the set (GFN2-xTB minimum and Hessian), once per process;
+    for one molecule, :func:`~.sampling.reference_modes` (which also offers DFT Hessians)."""
+    if not is_multi(cfg):
+        return reference_modes(cfg)
+    if cfg.hessian != "xtb":
+        raise ValueError("app.hessian='dft' is offered for one molecule; a set of molecules uses GFN2-xTB modes")
+    return _set_modes(cfg.molecules, cfg.molecule, int(index))
+
+
+def pad_atoms(array: np.ndarray, n: int, value: float) -> np.ndarray:
+    """``array`` (A, ...) padded with ``value`` along its first axis to (n, ...)."""
+    array = np.asarray(array)
+    if array.shape[0] > n:
+        raise ValueError(f"a molecule of {array.shape[0]} atoms does not fit {n} padded atoms")
+    pad = np.full((n - array.shape[0], *array.shape[1:]), value, dtype=array.dtype)
+    return np.concatenate([array, pad])
+
+
+def real_atoms(species: np.ndarray) -> np.ndarray:
+    """Boolean mask of real (non-padding) atoms, from atomic numbers with 0 or -1 padding."""
+    return np.asarray(species) > 0
