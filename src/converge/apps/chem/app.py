@@ -264,6 +264,11 @@ class ChemApp(App):
 
         return run_chem_demo(self, Path(out), CHEM_QUICK if quick else ChemDemoSize(), workers)
 
+    def commands(self) -> dict:
+        from .commands import screen
+
+        return {"screen": screen}
+
     def report_sections(self) -> list:
         from .report import SECTIONS
 

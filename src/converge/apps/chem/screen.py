@@ -1,0 +1,264 @@
+"""``converge screen chem``: a conformer search per molecule with the trained potential, and a trust flag.
+
+For each molecule of a .smi/.sdf/.xyz file: RDKit ETKDG conformers (:func:`~.smiles.embed_conformers`;
+one, the given geometry, for .sdf/.xyz), each optimised by ASE's BFGS on the chosen energy
+(the surrogate by default, or GFN2-xTB or DFT for comparison), then the lowest conformer and
+every conformer's energy relative to it. With an ensemble run, the members' energy spread per
+atom at the lowest conformer, ``sigma_E / sqrt(N)`` in kcal/mol (ANI's query-by-committee
+score), is the trust flag: above the run's calibrated threshold (``calibration.json``) or
+``max_spread`` the molecule is untrusted, and ``fallback="dft"`` recomputes its conformer
+energies by DFT at the run's level (single points on the optimised geometries).
+
+Writes ``OUT.csv`` (one row per molecule), ``OUT.sdf`` (the lowest conformers, where SMILES gave
+the bonds) and ``OUT.extxyz`` (every optimised conformer, energies in ``info``).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from ...config import ConfigError, from_dict
+from ...data.atomic import atomic_write_bytes
+from ...units import HARTREE_TO_KCAL_MOL
+from .config import ChemConfig
+from .smiles import MoleculeRecord, embed_conformers, read_molecules
+
+METHODS = ("surrogate", "xtb", "dft")
+FALLBACKS = ("", "dft")
+EnergyForcesFn = Callable[[Sequence[str], np.ndarray], tuple[float, np.ndarray]]  # hartree, hartree/Å
+
+
+@dataclass(frozen=True)
+class ScreenConfig:
+    """Settings of ``converge screen chem``."""
+
+    conformers: int = 10  # ETKDG conformers per SMILES (after pruning, up to this many)
+    fmax_ev_per_angstrom: float = 0.05  # BFGS stops below this largest force
+    max_steps: int = 300  # BFGS steps per conformer at most
+    prune_rms: float = 0.5  # Å heavy-atom RMSD: closer embeddings count as one
+    seed: int = 0
+    method: str = "surrogate"  # the energy the conformers are optimised on: surrogate | xtb | dft
+    max_spread: float = 0.0  # kcal/mol per sqrt(atom); 0: the run's calibrated threshold, if it has one
+    fallback: str = ""  # "dft": untrusted molecules' conformer energies recomputed by DFT
+
+    def __post_init__(self) -> None:
+        if self.conformers < 1 or self.max_steps < 1:
+            raise ConfigError(f"conformers={self.conformers}, max_steps={self.max_steps}: give counts >= 1")
+        if not self.fmax_ev_per_angstrom > 0 or self.prune_rms < 0 or self.max_spread < 0:
+            raise ConfigError("fmax must be > 0 eV/Å, prune_rms and max_spread >= 0")
+        if self.method not in METHODS:
+            raise ConfigError(f"method={self.method!r}: choose one of {', '.join(METHODS)}")
+        if self.fallback not in FALLBACKS:
+            raise ConfigError(f"fallback={self.fallback!r}: give dft, or leave it empty to only flag")
+
+
+class ScreenRow(NamedTuple):
+    name: str
+    smiles: str
+    n_atoms: int
+    n_conformers: int
+    lowest_energy_hartree: float
+    relative_energies_kcal_mol: list[float]  # of each optimised conformer, lowest first
+    spread_kcal_mol_per_sqrt_atom: float | None
+    trusted: bool | None
+    source: str  # what the reported energies come from: surrogate, xtb, dft
+    seconds: float
+
+
+def starting_geometries(record: MoleculeRecord, cfg: ScreenConfig) -> list[np.ndarray]:
+    """ETKDG conformers of a SMILES record, or its one given geometry (.sdf/.xyz without SMILES)."""
+    if record.smiles:
+        return embed_conformers(record.smiles, cfg.conformers, seed=cfg.seed, prune_rms=cfg.prune_rms)
+    return [np.asarray(record.molecule.positions)]
+
+
+def optimise(symbols: Sequence[str], positions: np.ndarray, energy_forces: EnergyForcesFn,
+             cfg: ScreenConfig) -> tuple[np.ndarray, float]:
+    """The BFGS minimum [Å] from ``positions`` and its energy [hartree]; a run that does not reach ``fmax`` in
+    ``max_steps`` keeps its last geometry (the conformer search ranks it all the same)."""
+    from .sampling import optimize_geometry
+
+    final = optimize_geometry(symbols, positions, lambda p: energy_forces(symbols, p), cfg.fmax_ev_per_angstrom,
+                              cfg.max_steps, strict=False)
+    return final, float(energy_forces(symbols, final)[0])
+
+
+def relative_kcal(energies: Sequence[float]) -> list[float]:
+    """Energies [hartree] relative to their minimum, kcal/mol, sorted ascending."""
+    e = np.sort(np.asarray(energies, dtype=np.float64))
+    return [float(x) for x in (e - e[0]) * HARTREE_TO_KCAL_MOL]
+
+
+# -- energies ------------------------------------------------------------------------------------
+def surrogate_energy_forces(run: Path) -> tuple[EnergyForcesFn, ChemConfig]:
+    """The run's potential (float64), or member 0 of an ensemble run, as an energy/forces function; and the
+    run's app config."""
+    from .calculator import Calculator
+    from .molecules import ATOMIC_NUMBERS
+
+    calc = Calculator(run / "member-0" if is_ensemble(run) else run)
+
+    def energy_forces(symbols: Sequence[str], positions: np.ndarray) -> tuple[float, np.ndarray]:
+        energy, forces = calc.predict(np.array([ATOMIC_NUMBERS[s] for s in symbols]), positions)
+        return float(energy[0]), forces[0]
+
+    return energy_forces, from_dict(ChemConfig, calc.config["app_config"], "app")
+
+
+def reference_energy_forces(method: str, cfg: ChemConfig) -> EnergyForcesFn:
+    """GFN2-xTB, or DFT at ``cfg``'s level, as an energy/forces function (hartree, hartree/Å)."""
+    if method == "xtb":
+        from .sampling import xtb_energy_forces
+
+        return lambda symbols, positions: tuple(xtb_energy_forces(symbols, positions))  # type: ignore[return-value]
+    from .dft import dft_energy_forces
+
+    def dft(symbols: Sequence[str], positions: np.ndarray) -> tuple[float, np.ndarray]:
+        result = dft_energy_forces(list(symbols), positions, cfg, threads=1)
+        return result.energy_hartree, result.forces_hartree_per_angstrom
+
+    return dft
+
+
+def is_ensemble(run: Path) -> bool:
+    from ...validate.ensemble import ENSEMBLE_FILE
+
+    return (Path(run) / ENSEMBLE_FILE).is_file()
+
+
+def trust_limit(run: Path, cfg: ScreenConfig) -> float | None:
+    """The spread above which a molecule is untrusted: ``max_spread``, else the run's calibrated threshold."""
+    if cfg.max_spread > 0:
+        return cfg.max_spread
+    path = Path(run) / "calibration.json"
+    if path.is_file():
+        threshold = json.loads(path.read_text()).get("threshold")
+        return float(threshold) if threshold else None
+    return None
+
+
+def ensemble_spread(ensemble: Any, symbols: Sequence[str], positions: np.ndarray) -> float:
+    """``sigma_E / sqrt(N)`` of the members' energies at one geometry, kcal/mol."""
+    from .molecules import ATOMIC_NUMBERS
+
+    z = np.array([[ATOMIC_NUMBERS[s] for s in symbols]], dtype=np.int64)
+    prediction = ensemble.predict({"species": z, "coordinates": np.asarray(positions, dtype=np.float32)[None]})
+    return float(prediction.std["energy"].reshape(-1)[0] * HARTREE_TO_KCAL_MOL / np.sqrt(len(symbols)))
+
+
+# -- the screen ----------------------------------------------------------------------------------
+def screen_record(record: MoleculeRecord, energy_forces: EnergyForcesFn, cfg: ScreenConfig, source: str,
+                  ensemble: Any = None, limit: float | None = None,
+                  fallback: EnergyForcesFn | None = None) -> tuple[ScreenRow, list[np.ndarray], list[float]]:
+    """One molecule: its optimised conformers [Å] and their energies [hartree], lowest first, and its row."""
+    t0 = time.perf_counter()
+    symbols = record.molecule.symbols
+    found = [optimise(symbols, start, energy_forces, cfg) for start in starting_geometries(record, cfg)]
+    found.sort(key=lambda pe: pe[1])
+    geometries, energies = [p for p, _ in found], [e for _, e in found]
+    spread = ensemble_spread(ensemble, symbols, geometries[0]) if ensemble is not None else None
+    trusted = None if spread is None or limit is None else bool(spread <= limit)
+    if trusted is False and fallback is not None:
+        energies = [fallback(symbols, p)[0] for p in geometries]
+        order = np.argsort(energies)
+        geometries, energies, source = [geometries[k] for k in order], [energies[k] for k in order], "dft"
+    row = ScreenRow(record.name, record.smiles or "", len(symbols), len(geometries), float(energies[0]),
+                    relative_kcal(energies), spread, trusted, source, time.perf_counter() - t0)
+    return row, geometries, energies
+
+
+def screen_file(run: str | Path | None, path: str | Path, out: str | Path, cfg: ScreenConfig = ScreenConfig(),
+                progress: bool = True) -> dict[str, Any]:
+    """Screen every molecule of ``path``; writes ``OUT.csv``, ``OUT.sdf``, ``OUT.extxyz``; returns the summary.
+
+    ``run`` is the trained run (needed for ``method="surrogate"``; its level of theory is DFT's).
+    """
+    records = read_molecules(path)
+    if run is None and (cfg.method == "surrogate" or cfg.fallback):
+        raise ConfigError(f"method={cfg.method}{', fallback=' + cfg.fallback if cfg.fallback else ''} needs a "
+                          "trained run: give --run RUN")
+    app_cfg, ensemble, limit, fallback = ChemConfig(), None, None, None
+    surrogate = None
+    if run is not None:
+        run = Path(run)
+        surrogate, app_cfg = surrogate_energy_forces(run)
+        if is_ensemble(run):
+            from ...validate.ensemble import load_ensemble
+            from .app import ChemApp
+
+            ensemble, limit = load_ensemble(ChemApp(), run), trust_limit(run, cfg)
+        if cfg.fallback == "dft":
+            fallback = reference_energy_forces("dft", app_cfg)
+    energy_forces = surrogate if cfg.method == "surrogate" else reference_energy_forces(cfg.method, app_cfg)
+    rows, frames = [], []
+    t0 = time.perf_counter()
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"screening {len(records)} molecules ({cfg.method})", total=len(records))
+        for record in records:
+            row, geometries, energies = screen_record(record, energy_forces, cfg, cfg.method, ensemble, limit,
+                                                      fallback)
+            rows.append(row)
+            frames.append((record, geometries, energies))
+            bar.advance(task)
+    seconds = time.perf_counter() - t0
+    out = Path(out)
+    write_outputs(out, rows, frames, cfg.method)
+    return {"molecules": len(rows), "seconds": seconds, "molecules_per_second": len(rows) / seconds,
+            "method": cfg.method, "level_of_theory": app_cfg.level_of_theory if cfg.method != "xtb" else "GFN2-xTB",
+            "untrusted": sum(r.trusted is False for r in rows), "csv": str(out.with_suffix(".csv")),
+            "sdf": str(out.with_suffix(".sdf")), "extxyz": str(out.with_suffix(".extxyz"))}
+
+
+def write_outputs(out: Path, rows: Sequence[ScreenRow], frames: Sequence[tuple], method: str) -> None:
+    """``OUT.csv``, ``OUT.extxyz`` (every optimised conformer) and ``OUT.sdf`` (lowest conformers), atomically."""
+    import ase.io
+    from ase import Atoms
+
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(ScreenRow._fields)
+    for r in rows:
+        writer.writerow([*r[:5], ";".join(f"{e:.3f}" for e in r.relative_energies_kcal_mol),
+                         "" if r.spread_kcal_mol_per_sqrt_atom is None else f"{r.spread_kcal_mol_per_sqrt_atom:.4f}",
+                         "" if r.trusted is None else r.trusted, r.source, f"{r.seconds:.3f}"])
+    atomic_write_bytes(out.with_suffix(".csv"), text.getvalue().encode())
+    xyz = io.StringIO()
+    for record, geometries, energies in frames:
+        for k, (positions, energy) in enumerate(zip(geometries, energies)):
+            atoms = Atoms(symbols=list(record.molecule.symbols), positions=positions)
+            atoms.info.update(name=record.name, conformer=k, energy_hartree=float(energy), method=method,
+                              relative_kcal_mol=float((energy - energies[0]) * HARTREE_TO_KCAL_MOL))
+            ase.io.write(xyz, atoms, format="extxyz")
+    atomic_write_bytes(out.with_suffix(".extxyz"), xyz.getvalue().encode())
+    atomic_write_bytes(out.with_suffix(".sdf"), lowest_conformers_sdf(frames).encode())
+
+
+def lowest_conformers_sdf(frames: Sequence[tuple]) -> str:
+    """An SDF block per molecule given by SMILES: its bonds from RDKit, coordinates of its lowest conformer."""
+    from rdkit import Chem
+    from rdkit.Geometry import Point3D
+
+    from .smiles import embed_conformers as _unused  # noqa: F401  (rdkit is importable)
+
+    text = io.StringIO()
+    for record, geometries, energies in frames:
+        if not record.smiles:
+            continue
+        mol = Chem.AddHs(Chem.MolFromSmiles(record.smiles))
+        conf = Chem.Conformer(mol.GetNumAtoms())
+        for i, (x, y, z) in enumerate(geometries[0]):
+            conf.SetAtomPosition(i, Point3D(float(x), float(y), float(z)))
+        mol.AddConformer(conf, assignId=True)
+        mol.SetProp("_Name", record.name)
+        mol.SetProp("energy_hartree", f"{energies[0]:.10f}")
+        text.write(Chem.MolToMolBlock(mol) + "$$$$\n")
+    return text.getvalue()

@@ -1,0 +1,101 @@
+"""One potential over several molecules: a mixed-size DFT dataset from SMILES, training, evaluation, and
+`converge screen chem` (conformer search, trust flag, outputs), at HF-cost DFT (LDA/STO-3G)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from converge import cli as cli_module
+from converge.apps.chem import ChemApp, ChemConfig
+from converge.apps.chem.evaluate import ChemEvalConfig
+from converge.apps.chem.screen import ScreenConfig, relative_kcal
+from converge.config import ConfigError
+from converge.data.store import ShardStore
+from converge.simulate.runner import SimulateConfig, run_ensemble
+from converge.train.loop import TrainConfig, train
+from converge.validate.ensemble import train_ensemble
+
+CHEAP = dict(level="custom", functional="lda,vwn", basis="sto-3g", density_fit=False, grid_level=0,
+             hidden=(16, 16))
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    (root / "train.smi").write_text("# three sizes\nO water\nC methane\nCO methanol\n")
+    cfg = ChemConfig(molecules=str(root / "train.smi"), **CHEAP)
+    app = ChemApp()
+    for name, n, seed in (("train", 36, 1), ("test", 9, 2)):
+        res = run_ensemble(app, cfg, SimulateConfig(samples=n, seed=seed, workers=1, shard_size=12), root / name,
+                           progress=False)
+        assert res.n_failed == 0, res.failures
+    arrays = ShardStore.open(root / "train").load()
+    tcfg = TrainConfig(epochs=30, batch_size=8, lr=3e-3, patience=30)
+    train(app, cfg, tcfg, arrays, root / "run", progress=False, extra_config={"data": str(root / "train")})
+    train_ensemble(app, cfg, TrainConfig(epochs=5, batch_size=8, lr=3e-3, patience=5), arrays, root / "ens",
+                   members=2, progress=False)
+    return root, cfg
+
+
+def test_a_mixed_dataset_is_padded_and_records_each_molecule(mixed):
+    root, cfg = mixed
+    arrays = ShardStore.open(root / "train").load()
+    assert arrays["species"].shape == (36, 6) and arrays["coordinates"].shape == (36, 6, 3)
+    assert set(arrays["molecule"].tolist()) == {0, 1, 2}  # conformers spread over the three molecules
+    for z, m, f in zip(arrays["species"], arrays["molecule"], arrays["forces"]):
+        n = (3, 5, 6)[m]
+        assert (z[:n] > 0).all() and (z[n:] == -1).all() and not f[n:].any()
+        assert np.abs(f[:n].sum(0)).max() < 1e-4  # DFT forces of an isolated molecule sum to zero
+
+
+def test_evaluation_reports_relative_energies_and_times_the_trained_level(mixed):
+    root, _ = mixed
+    report = ChemApp().evaluate(root / "run", root / "test", root / "run",
+                                ev=ChemEvalConfig(n_dft_timing=1, batch_size=8, ani_timing=False))
+    test = report["test"]
+    assert test["n_molecules"] == 3 and test["n"] == 9
+    assert test["relative_energy_mae_kcal_mol"] > 0 and test["force_mae_kcal_mol_A"] > 0
+    assert "relative_energy_mae_kcal_mol" in test["baselines"]["gfn2_xtb"]
+    assert report["speed"]["dft_level"] == report["level_of_theory"]
+
+
+def test_screen_finds_the_lowest_conformer_and_writes_every_output(mixed, tmp_path):
+    root, _ = mixed
+    (tmp_path / "in.smi").write_text("CO methanol\nCCO ethanol\n")
+    runner = CliRunner()
+    result = runner.invoke(cli_module.cli, ["screen", "chem", str(tmp_path / "in.smi"), "--run", str(root / "ens"),
+                                            "--out", str(tmp_path / "hits"), "--conformers", "3",
+                                            "--max-spread", "1e-9", "--fallback", "dft"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    assert summary["molecules"] == 2 and summary["molecules_per_second"] > 0
+    rows = list(csv.DictReader((tmp_path / "hits.csv").open()))
+    assert [r["name"] for r in rows] == ["methanol", "ethanol"]
+    for r in rows:
+        energies = [float(x) for x in r["relative_energies_kcal_mol"].split(";")]
+        assert energies[0] == 0.0 and energies == sorted(energies)
+        assert r["trusted"] == "False" and r["source"] == "dft"  # a spread limit no ensemble meets: DFT answers
+    assert (tmp_path / "hits.sdf").read_text().count("$$$$") == 2
+    assert "energy_hartree" in (tmp_path / "hits.extxyz").read_text()
+
+
+def test_screen_errors_say_how_to_fix_them(mixed, tmp_path):
+    root, _ = mixed
+    runner = CliRunner()
+    (tmp_path / "bad.smi").write_text("C[N+](C)(C)C tetramethylammonium\n")
+    result = runner.invoke(cli_module.cli, ["screen", "chem", str(tmp_path / "bad.smi"), "--run", str(root / "run"),
+                                            "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "charged" in result.output
+    (tmp_path / "ok.smi").write_text("C methane\n")
+    result = runner.invoke(cli_module.cli, ["screen", "chem", str(tmp_path / "ok.smi"), "--out", str(tmp_path / "y")])
+    assert result.exit_code == 2 and "give --run RUN" in result.output
+    with pytest.raises(ConfigError, match="choose one of surrogate, xtb, dft"):
+        ScreenConfig(method="mp2")
+
+
+def test_relative_energies_are_sorted_from_zero():
+    assert relative_kcal([-1.0, -1.001, -0.999]) == pytest.approx([0.0, 0.6275095, 1.255019], rel=1e-5)
