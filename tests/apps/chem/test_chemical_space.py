@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from converge import cli as cli_module
@@ -99,3 +100,34 @@ def test_screen_errors_say_how_to_fix_them(mixed, tmp_path):
 
 def test_relative_energies_are_sorted_from_zero():
     assert relative_kcal([-1.0, -1.001, -0.999]) == pytest.approx([0.0, 0.6275095, 1.255019], rel=1e-5)
+
+
+def test_one_served_model_answers_molecules_of_several_sizes_as_direct_calls_do(mixed):
+    """Requests of 3, 5 and 9 atoms (ethanol: never trained on) in flight together through the batcher."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from converge.apps.chem.calculator import Calculator
+    from converge.apps.chem.smiles import molecule_from_smiles
+    from converge.serve.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
+    from converge.serve.server import build_app
+
+    root, _ = mixed
+    mols = [molecule_from_smiles(s) for s in ("O", "C", "CCO")]
+    calc = Calculator(root / "run", dtype=torch.float32)
+    with TestClient(build_app([f"mixed={root / 'run'}"])) as client:
+        def infer(mol):
+            body, headers = encode_infer_request({"species": mol.atomic_numbers[None],
+                                                  "coordinates": mol.positions.astype(np.float32)[None]})
+            r = client.post("/v2/models/mixed/infer", content=body, headers=headers)
+            assert r.status_code == 200, r.text
+            return decode_infer_response(r.content, r.headers.get(HEADER_LENGTH))
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(infer, mols * 2))
+    for mol, out in zip(mols * 2, answers):
+        energy, forces = calc.predict(mol.atomic_numbers, mol.positions.astype(np.float32))
+        assert out["forces"].shape == (1, mol.n_atoms, 3)
+        np.testing.assert_allclose(out["energy"], energy, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(out["forces"][0], forces[0], rtol=0, atol=1e-4)

@@ -163,9 +163,10 @@ class ChemApp(App):
         return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
 
     def serving_signature(self, cfg: ChemConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        n = n_atoms(cfg)  # molecules of up to the trained size; pad fewer atoms with species -1 (or 0)
-        inputs = [TensorSpec("species", "INT64", (-1, n)), TensorSpec("coordinates", "FP32", (-1, n, 3))]
-        outputs = [TensorSpec("energy", "FP64", (-1,)), TensorSpec("forces", "FP32", (-1, n, 3))]
+        """Any molecule of the trained elements: the atom axis is variable (-1). The batcher groups requests of
+        one atom count; a client may also pad (species 0 or -1) to batch molecules of several sizes itself."""
+        inputs = [TensorSpec("species", "INT64", (-1, -1)), TensorSpec("coordinates", "FP32", (-1, -1, 3))]
+        outputs = [TensorSpec("energy", "FP64", (-1,)), TensorSpec("forces", "FP32", (-1, -1, 3))]
         return inputs, outputs
 
     def serving_example(self, cfg: ChemConfig, n: int, seed: int = 0) -> dict[str, np.ndarray]:
