@@ -131,3 +131,41 @@ def test_one_served_model_answers_molecules_of_several_sizes_as_direct_calls_do(
         assert out["forces"].shape == (1, mol.n_atoms, 3)
         np.testing.assert_allclose(out["energy"], energy, rtol=0, atol=1e-5)
         np.testing.assert_allclose(out["forces"][0], forces[0], rtol=0, atol=1e-4)
+
+
+def test_openmm_runs_the_potential_through_openmmml(mixed):
+    """MLPotential("converge", run=...) (the openmmml.potentials entry point): OpenMM's energy is the network's,
+    and a few Verlet steps keep the total energy."""
+    openmm = pytest.importorskip("openmm")
+    from openmm import app as omm_app
+    from openmm import unit
+    from openmmml import MLPotential
+
+    from converge.apps.chem.calculator import Calculator
+    from converge.apps.chem.smiles import molecule_from_smiles
+    from converge.units import HARTREE_TO_KCAL_MOL
+
+    root, _ = mixed
+    mol = molecule_from_smiles("CO")
+    topology = omm_app.Topology()
+    residue = topology.addResidue("MOL", topology.addChain())
+    for symbol in mol.symbols:
+        topology.addAtom(symbol, omm_app.Element.getBySymbol(symbol), residue)
+    # no CMMotionRemover: it would take the centre-of-mass kinetic energy out at the first step
+    system = MLPotential("converge", run=str(root / "run")).createSystem(topology, removeCMMotion=False)
+    integrator = openmm.VerletIntegrator(0.25 * unit.femtoseconds)
+    context = openmm.Context(system, integrator, openmm.Platform.getPlatformByName("Reference"))
+    context.setPositions(mol.positions * unit.angstrom)
+    context.setVelocitiesToTemperature(100 * unit.kelvin, 1)
+    state = context.getState(getEnergy=True)
+    energy, _ = Calculator(root / "run").predict(mol.atomic_numbers, mol.positions)
+    openmm_kcal = state.getPotentialEnergy().value_in_unit(unit.kilocalories_per_mole)
+    assert openmm_kcal == pytest.approx(energy[0] * HARTREE_TO_KCAL_MOL, abs=1e-3)
+    total0 = openmm_kcal + state.getKineticEnergy().value_in_unit(unit.kilocalories_per_mole)
+    integrator.step(20)
+    state = context.getState(getEnergy=True)
+    total = sum(e.value_in_unit(unit.kilocalories_per_mole) for e in (state.getPotentialEnergy(),
+                                                                       state.getKineticEnergy()))
+    assert abs(total - total0) < 0.01  # kcal/mol over 5 fs at 0.25 fs: the forces are the energy's gradient
+    with pytest.raises(ValueError, match='needs the trained run'):
+        MLPotential("converge")

@@ -79,7 +79,7 @@ class Calculator(ASECalculator):
 
     def predict(self, numbers: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Energies (B,) hartree and forces (B, A, 3) hartree/Å for a batch of one molecule's geometries."""
-        positions = np.asarray(positions, dtype=float).reshape(-1, len(numbers), 3)
+        positions = np.array(positions, dtype=float).reshape(-1, len(numbers), 3)  # a writable copy for torch
         for p in positions:
             check_structure(numbers, p, self.elements)
         species = torch.as_tensor(np.asarray(numbers), dtype=torch.int64, device=self.device).expand(len(positions), -1)
