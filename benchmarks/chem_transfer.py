@@ -140,7 +140,7 @@ def main() -> int:
     store = ShardStore.open(train_dir)
     cfg = ChemConfig(molecules=TRAIN_LIBRARY, level=args.level, temperature=args.temperature)
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
-    tcfg = TrainConfig(**overrides)
+    tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
     t0 = time.perf_counter()
     run = args.out / "run"
     result = train(app, cfg, tcfg, store.load(), run, resume=(run / "last.pt").exists(),

@@ -129,6 +129,7 @@ class App(ABC):
     evaluate_config_cls: ClassVar[type | None] = None  # the [evaluate] table, if the app has one
     grad_at_inference: ClassVar[bool] = False  # outputs need autograd (e.g. forces = -dE/dr)
     default_precision: ClassVar[str] = "fp32"  # training precision chosen by measurement per app
+    train_defaults: ClassVar[Mapping[str, Any]] = {}  # the app's measured [train] settings, under the user's
     learn_config_cls: ClassVar[type | None] = None  # the [learn] table of the app's own options, if it has one
     bench_batch_size: ClassVar[int] = 32  # samples per process and step in `converge bench ddp`
     demo_by_default: ClassVar[bool] = False  # part of a plain `converge demo` (the built-in apps, on a budget)

@@ -59,12 +59,16 @@ class TrainConfig:
     precision: str = "auto"  # the app's measured default (gw: bf16, chem: fp32); fp32 where bf16 is emulated
     device: str = "auto"
     val_fraction: float = 0.1
-    patience: int = 4
+    patience: int = 0  # epochs without a better validation metric before stopping; 0: never stop early
     seed: int = 0
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
     grad_accum_steps: int = 1  # micro-steps per optimizer step; gradients are synchronised on the last only
     shard: bool = False  # FSDP2: shard parameters, gradients and optimizer state over the ranks
     checkpoint_every: int = 1  # epochs between checkpoint writes (and always the run's last epoch)
+
+    def stops_early(self, bad_epochs: int) -> bool:
+        """Whether ``bad_epochs`` epochs without improvement end the run (never with ``patience=0``)."""
+        return self.patience > 0 and bad_epochs >= self.patience
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -81,8 +85,8 @@ class TrainConfig:
             raise ConfigError(f"train.val_fraction={self.val_fraction}: must be strictly between 0 and 1")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError(f"train.warmup_fraction={self.warmup_fraction}: must be in [0, 1)")
-        if self.patience < 1:
-            raise ConfigError(f"train.patience={self.patience}: must be >= 1")
+        if self.patience < 0:
+            raise ConfigError(f"train.patience={self.patience}: give epochs >= 1, or 0 to never stop early")
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"train.bucket_cap_mb={self.bucket_cap_mb}: must be > 0 MB (DDP's gradient "
                               "bucket size; PyTorch's default is 25)")
@@ -262,7 +266,7 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
     t0, stopped_early, epochs_run = time.perf_counter(), False, 0
     with _progress(progress and ranks.main) as bar:
         for epoch in range(start_epoch, cfg.epochs):
-            if bad_epochs >= cfg.patience:
+            if cfg.stops_early(bad_epochs):
                 stopped_early = True
                 break
             if stop_after is not None and epoch - start_epoch >= stop_after:
@@ -298,7 +302,7 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
             meta = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
                     "epoch": epoch, "best_value": best_value, "best_epoch": best_epoch,
                     "bad_epochs": bad_epochs, "samples_seen": samples_seen, "config": config}
-            last_epoch = (epoch + 1 >= cfg.epochs or bad_epochs >= cfg.patience
+            last_epoch = (epoch + 1 >= cfg.epochs or cfg.stops_early(bad_epochs)
                           or (stop_after is not None and epoch + 1 - start_epoch >= stop_after))
             write = last_epoch or (epoch + 1) % cfg.checkpoint_every == 0
             if cfg.shard:

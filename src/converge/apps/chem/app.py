@@ -68,6 +68,7 @@ class ChemApp(App):
     packages = ("pyscf", "torchani", "tblite", "ase")
     grad_at_inference = True
     default_precision = "fp32"  # AEV and energy sums need fp32; bf16 costs accuracy (README)
+    train_defaults = {"epochs": 300, "batch_size": 16, "lr": 1e-3}  # benchmarks/chem_full.py's, the README's figures
 
     @property
     def evaluate_config_cls(self) -> type:  # type: ignore[override]
