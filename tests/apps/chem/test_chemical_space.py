@@ -169,3 +169,21 @@ def test_openmm_runs_the_potential_through_openmmml(mixed):
     assert abs(total - total0) < 0.01  # kcal/mol over 5 fs at 0.25 fs: the forces are the energy's gradient
     with pytest.raises(ValueError, match='needs the trained run'):
         MLPotential("converge")
+
+
+def test_active_learning_over_chemical_space_labels_candidates_of_several_molecules(mixed, tmp_path):
+    from converge.validate.active import run_active_learning
+
+    root, cfg = mixed
+    app = ChemApp()
+    problem = app.learning_problem(cfg)
+    pool = problem.draw(5, 30)
+    assert {p["molecule"] for p in pool} == {0.0, 1.0, 2.0}
+    inputs = problem.inputs(pool[:3])
+    assert inputs["species"].shape == (3, 6) and inputs["coordinates"].shape == (3, 6, 3)
+    history = run_active_learning(app, cfg, tmp_path / "al", initial=4, budget=2, rounds=1, pool_size=8,
+                                  members=2, n_test=6, train_cfg=TrainConfig(epochs=3, batch_size=4, patience=3))
+    assert [h["simulator_calls"] for h in history] == [4, 6]
+    assert history[-1]["relative_energy_mae_kcal_mol"] >= 0 and history[-1]["force_mae_kcal_mol_A"] > 0
+    labelled = ShardStore.open(tmp_path / "al" / "round-1" / "data").load()
+    assert labelled["species"].shape[1] == 6 and "molecule" in labelled

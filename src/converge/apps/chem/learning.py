@@ -42,9 +42,9 @@ from ...units import hartree_to_kcal_mol
 from ...validate.active import HeldOut
 from ...validate.ensemble import EnsembleModel, EnsemblePrediction
 from .config import ChemConfig
-from .molecules import get_molecule
+from .molecule_set import PAD_SPECIES, modes_of, molecule_set, n_atoms, pad_atoms
 from .ood import fit_envelope, save_envelope
-from .sampling import SamplingError, reference_modes, sample_conformer
+from .sampling import SamplingError, sample_conformer
 
 CHEMICAL_ACCURACY_KCAL_MOL = 1.0  # the usual target for an energy error
 
@@ -133,7 +133,8 @@ class ChemLearning:
         if self.shares is not None and (len(self.shares) != len(self.temperatures) or min(self.shares) <= 0):
             raise ValueError(f"shares={self.shares}: give one share > 0 per temperature {self.temperatures}")
         self.target_error = float(target_error)
-        self.species = get_molecule(app_cfg.molecule).atomic_numbers  # (A,)
+        self.molecules = molecule_set(app_cfg)  # one, or a set: a candidate then names its molecule
+        self.n_atoms = n_atoms(app_cfg)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -141,10 +142,10 @@ class ChemLearning:
         return out if self.shares is None else {**out, "candidate_shares": list(self.shares)}
 
     def conformer(self, params: Mapping[str, float]) -> np.ndarray:
-        """The candidate's geometry (A, 3) Å: the draw ``app.simulate`` makes at its temperature."""
+        """The candidate's geometry (A, 3) Å of its molecule: the draw ``app.simulate`` makes at its temperature."""
         rng = np.random.default_rng(int(params["conformer_seed"]))
-        return sample_conformer(reference_modes(self.app_cfg), float(params["temperature"]), rng,
-                                self.app_cfg.min_distance)
+        return sample_conformer(modes_of(self.app_cfg, int(params.get("molecule", 0))), float(params["temperature"]),
+                                rng, self.app_cfg.min_distance)
 
     def draw(self, seed: int, n: int) -> list[dict[str, float]]:
         """``n`` candidates, temperatures in ``shares`` (:func:`share_sequence`); unsampleable draws are skipped."""
@@ -173,15 +174,17 @@ class ChemLearning:
         return out
 
     def inputs(self, params: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
-        coordinates = np.stack([self.conformer(p) for p in params])  # (N, A, 3) Å
-        return {"species": np.broadcast_to(self.species, (len(params), len(self.species))).copy(),
-                "coordinates": coordinates}
+        """Species (N, A) and coordinates (N, A, 3) Å of the candidates, padded to the set's atom count."""
+        species = [self.molecules[int(p.get("molecule", 0))].atomic_numbers for p in params]
+        return {"species": np.stack([pad_atoms(z, self.n_atoms, PAD_SPECIES) for z in species]),
+                "coordinates": np.stack([pad_atoms(self.conformer(p), self.n_atoms, 0.0) for p in params])}
 
     def label(self, params: Mapping[str, float]) -> dict[str, np.ndarray]:
         """DFT through the app's simulator at the candidate's temperature."""
         cfg = replace(self.app_cfg, temperature=float(params["temperature"]))
-        arrays = self.app.simulate(cfg, {"conformer_seed": params["conformer_seed"]})
-        if not np.allclose(arrays["coordinates"], self.conformer(params), atol=1e-10):
+        arrays = self.app.simulate(cfg, {k: v for k, v in params.items() if k in ("molecule", "conformer_seed")})
+        expected = pad_atoms(self.conformer(params), self.n_atoms, 0.0)
+        if not np.allclose(arrays["coordinates"], expected, atol=1e-10):
             raise RuntimeError("the simulator drew another geometry than the candidate's: ChemLearning.conformer "
                                "no longer matches ChemApp.simulate")
         return arrays
@@ -201,7 +204,8 @@ class ChemLearning:
         prediction = ensemble.predict({"species": arrays["species"], "coordinates": arrays["coordinates"]})
         spread = chem_spread(prediction, arrays["species"])
         energy_error = hartree_to_kcal_mol(spread.energy.numpy() - arrays["energy"])  # (N,)
-        force_error = hartree_to_kcal_mol(spread.forces.numpy() - arrays["forces"])  # (N, A, 3)
+        real = np.asarray(arrays["species"]) > 0  # (N, A): padding atoms carry no force
+        force_error = hartree_to_kcal_mol(spread.forces.numpy() - arrays["forces"])[real]  # (M, 3), real atoms
         energy_std = hartree_to_kcal_mol(spread.energy_std.numpy())
         metrics: dict[str, Any] = {
             "n_test": len(energy_error),
@@ -213,6 +217,11 @@ class ChemLearning:
                 spread.energy_std_per_atom.numpy()))),
             "mean_force_spread_kcal_mol_A": float(np.mean(hartree_to_kcal_mol(spread.force_spread.numpy()))),
         }
+        if "molecule" in arrays:
+            from .evaluate import relative_energy_mae
+
+            metrics["relative_energy_mae_kcal_mol"] = relative_energy_mae(spread.energy.numpy(), arrays["energy"],
+                                                                          arrays["molecule"])
         if "temperature" in params:
             metrics["energy_mae_by_temperature"] = {
                 f"{t:g}": float(np.mean(np.abs(energy_error[params["temperature"] == t])))
