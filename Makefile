@@ -37,3 +37,15 @@ test: $(STAMP) browser
 
 clean:
 	rm -rf $(VENV) demo-output
+
+# A single-node Slurm cluster on this machine (docs/cluster.md): installs slurm-wlm and munge with apt
+# if missing (as root), keeps its files under CONVERGE_SLURM_DIR. tests/slurm start one themselves if
+# none is running (and stop it after); one started here is used and left running.
+CONVERGE_SLURM_DIR ?= /tmp/converge-slurm
+.PHONY: slurm slurm-stop
+
+slurm:
+	bash scripts/slurm/localhost-cluster.sh start $(CONVERGE_SLURM_DIR)
+
+slurm-stop:
+	bash scripts/slurm/localhost-cluster.sh stop $(CONVERGE_SLURM_DIR)
