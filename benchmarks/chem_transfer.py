@@ -45,6 +45,20 @@ ANCHORS = {"ani1x_comp6": {"relative_energy_mae_kcal_mol": 1.85, "force_mae_kcal
 TARGETS = {"relative_energy_mae_kcal_mol": 1.5, "force_mae_kcal_mol_A": 3.0}
 
 
+def stage_seconds(args: argparse.Namespace, stage: str, seconds: float, computed: bool) -> float:
+    """Wall seconds of a stage: this call's when it computed anything, else the first run's (``stages.json``); a run
+    from before that file existed is timed by its shard files' modification times (first to last)."""
+    path = args.out / "stages.json"
+    found = json.loads(path.read_text()) if path.is_file() else {}
+    if computed or stage not in found:
+        if not computed:
+            times = sorted(p.stat().st_mtime for p in (args.out / stage).rglob("*.h5"))
+            seconds = times[-1] - times[0] if len(times) > 1 else seconds
+        found[stage] = seconds
+        path.write_text(json.dumps(found, indent=2))
+    return float(found[stage])
+
+
 def simulate_train(args: argparse.Namespace) -> tuple[Path, float]:
     cfg = ChemConfig(molecules=TRAIN_LIBRARY, level=args.level, temperature=args.temperature)
     t0 = time.perf_counter()
@@ -52,7 +66,7 @@ def simulate_train(args: argparse.Namespace) -> tuple[Path, float]:
                                                       shard_size=20), args.out / "train", progress=True)
     if res.n_failed:
         print(f"train: {res.n_failed} DFT failures recorded: {res.failures[:3]}", file=sys.stderr)
-    return args.out / "train", time.perf_counter() - t0
+    return args.out / "train", stage_seconds(args, "train", time.perf_counter() - t0, res.shards_computed > 0)
 
 
 def test_molecules(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -60,14 +74,15 @@ def test_molecules(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def simulate_test(args: argparse.Namespace) -> float:
-    t0 = time.perf_counter()
+    t0, computed = time.perf_counter(), False
     for k, (name, smiles) in enumerate(test_molecules(args)):
         cfg = ChemConfig(molecule=f"smiles:{smiles}", level=args.level, temperature=args.temperature)
         res = run_ensemble(ChemApp(), cfg, SimulateConfig(samples=args.test_conformers, seed=1000 + k,
                                                           workers=args.workers, shard_size=args.test_conformers),
                            args.out / "test" / name, progress=False)
         print(f"test {k + 1}/{args.test_molecules} {name}: {res.n_ok} conformers", file=sys.stderr)
-    return time.perf_counter() - t0
+        computed = computed or res.shards_computed > 0
+    return stage_seconds(args, "test", time.perf_counter() - t0, computed)
 
 
 def load_test(args: argparse.Namespace, n_atoms: int) -> dict[str, np.ndarray]:
@@ -117,6 +132,16 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig.suptitle("unseen molecules (5-7 heavy atoms): network trained on 1-4 heavy atoms, against GFN2-xTB")
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def finished_history(run: Path, epochs: int) -> list[dict] | None:
+    """The epochs of a finished training run in ``run`` (``converge train chem --data TRAIN --out RUN`` gives the
+    same run), or None if it has not finished."""
+    path = run / "metrics.jsonl"
+    if not (run / "best.pt").is_file() or not path.is_file():
+        return None
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    return lines if len(lines) >= epochs else None
 
 
 def speed(cfg: ChemConfig, model, arrays: dict[str, np.ndarray], n_dft: int) -> dict:
@@ -176,9 +201,12 @@ def main() -> int:
     tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
     t0 = time.perf_counter()
     run = args.out / "run"
-    result = train(app, cfg, tcfg, store.load(), run, resume=(run / "last.pt").exists(),
-                   extra_config={"data": str(train_dir)})
-    train_s = time.perf_counter() - t0
+    history = finished_history(run, tcfg.epochs)
+    if history is None:  # train, or resume an interrupted run
+        result = train(app, cfg, tcfg, store.load(), run, resume=(run / "last.pt").exists(),
+                       extra_config={"data": str(train_dir)})
+        history = result.history
+    train_s = sum(h["seconds"] for h in history)
     if args.until == "train":
         return 0
     model, _ = load_model(app, run)
@@ -198,7 +226,8 @@ def main() -> int:
                   "max_heavy_atoms": max(heavy_atoms(s) for _, s in library(TRAIN_LIBRARY)),
                   "n_conformers": len(store), "dft_calls": store.n_samples, "level_of_theory": cfg.level_of_theory,
                   "temperature_K": args.temperature, "simulate_wall_s": train_sim_s, "train_wall_s": train_s,
-                  "epochs_run": len(result.history), "best_epoch": result.best_epoch + 1,
+                  "epochs_run": len(history),
+                  "best_epoch": 1 + min(range(len(history)), key=lambda k: history[k][app.monitor.name]),
                   "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "patience")}},
         "test": {"library": TEST_LIBRARY, "n_molecules": len(names), "molecules": names,
                  "min_heavy_atoms": min(heavy_atoms(s) for _, s in test_molecules(args)),
