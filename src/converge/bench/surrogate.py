@@ -186,8 +186,9 @@ def run_app(name: str, cfg: SurrogateBenchConfig, device: torch.device) -> dict[
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------------
-def run_surrogate_benchmark(cfg: SurrogateBenchConfig = SurrogateBenchConfig()) -> dict[str, Any]:
-    """Each app of ``cfg`` in turn; see the module docstring."""
+def run_surrogate_benchmark(cfg: SurrogateBenchConfig | None = None) -> dict[str, Any]:
+    """Each app of ``cfg`` (default: every installed app with a baseline) in turn; see the module docstring."""
+    cfg = cfg or SurrogateBenchConfig()
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device cuda but CUDA is not available; use --device cpu")
