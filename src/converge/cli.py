@@ -377,8 +377,12 @@ def bench_serve_cmd(
     device: str = typer.Option("cpu", help="cpu | cuda | auto, for the model and the server."),
     out: Optional[Path] = typer.Option(None, "--out", "-o",
                                        help="Where serve.json, serve.png and the server logs go (default RUN)."),
-    peers: str = typer.Option("", help="Also serve the model with mlserver, litserve or both (over JSON; each is "
-                                       "installed once into runs/peer-envs/<peer>)."),
+    peers: str = typer.Option("", help="Also serve the model with triton, mlserver, litserve (comma-separated; "
+                                       "Triton over binary tensors, the others over JSON; each is installed once "
+                                       "into runs/peer-envs/<peer>, Triton's from Debian's /usr/bin/python3.11) "
+                                       "and report each at its best over a grid of its own settings."),
+    peer_grid: str = typer.Option("", "--peer-grid", help="Narrow or widen a peer's settings grid, e.g. "
+                                  "\"triton.delay_ms=0,0.5 triton.workers=1\" (see converge.bench.peer_settings)."),
 ) -> None:
     """Throughput and latency of a served run: the model alone, then `converge serve` with dynamic
     batching on and off, swept over client concurrency (a perf_analyzer-style load generator);
@@ -390,7 +394,8 @@ def bench_serve_cmd(
 
     _threads()
     try:
-        cfg = ServeBenchConfig.from_options(concurrency, duration, warmup, formats, max_batch_size, device, peers)
+        cfg = ServeBenchConfig.from_options(concurrency, duration, warmup, formats, max_batch_size, device, peers,
+                                            peer_grid)
         report = run_serve_benchmark(run, cfg, log_dir=out or run)
     except (ValueError, ModelLoadError, ServeBenchError, PeerError) as err:
         _fail(str(err))

@@ -13,9 +13,10 @@ from converge.apps.gw.app import GWApp
 from converge.apps.gw.config import GWConfig
 from converge.bench.loadgen import InferTarget, LoadProcess, latency_percentiles, run_load
 from converge.bench.serve import (
-    BatchingMode, ServeBenchConfig, example_inputs, model_ceiling, parse_counts, plot_serve_sweep, run_serve_benchmark,
+    BatchingMode, ServeBenchConfig, example_inputs, headline, model_ceiling, parse_counts, run_serve_benchmark,
     summarize, write_results,
 )
+from converge.bench.serve_plot import plot_serve_sweep
 from converge.bench.server_process import ServeBenchError, ServerProcess
 from converge.serve import ModelLoadError, load_served_model
 from converge.serve.protocol import check_inputs
@@ -170,11 +171,33 @@ def test_plot_is_written(tmp_path):
     sweep += [{**r, "format": "json"} for r in sweep]
     report = {"sweep": sweep, "model_only_best": {"samples_per_s": 2000.0, "batch_size": 64},
               "model_only_single": 400.0}
+    triton = [{"settings": label, "concurrency": c, "throughput_sps": s, "p99_ms": 5.0 * c}
+              for label in ("b64-d0ms-w1", "b64-d0ms-w2") for c, s in ((1, 300.0), (16, 2500.0))]
     peers = {"mlserver": {"sweep": [{"concurrency": c, "throughput_sps": s, "p99_ms": 9.0 * c} for c, s in
-                                    ((1, 90.0), (16, 800.0))]}, "litserve": {"peer": "litserve", "error": "x"}}
+                                    ((1, 90.0), (16, 800.0))]}, "litserve": {"peer": "litserve", "error": "x"},
+             "triton": {"format": "binary", "sweep": triton,
+                        "settings_best": {"max_batch_size": 64, "delay_ms": 0.0, "workers": 2}}}
     path = plot_serve_sweep({"gw": {**report, "peers": peers}, "chem": report}, tmp_path / "plots" / "serve.png")
     assert path.is_file() and path.stat().st_size > 10_000
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp file left behind
+
+
+def test_headline_names_each_peers_best_and_ours_beside_it():
+    peer = {"format": "binary", "throughput_best": 2512.3456, "p99_ms_best": 12.3456, "concurrency_best": 32,
+            "native_settings_best": {"max_batch_size": 64, "instance_group": [{"count": 2, "kind": "KIND_CPU"}]},
+            "ours_at_equal_p99": {"throughput": 3001.234, "gain": 1.19461, "gain_target": 1.0}}
+    report = {"throughput_batched_best": 4000.0, "by_format": {"binary": {"throughput_batched_best": 4012.34},
+                                                               "json": {"throughput_batched_best": 3012.34}},
+              "peers": {"triton": peer,
+                        "litserve": {"peer": "litserve", "error": "litserve exited with status 1:\nboom"}},
+              "peer": "triton", "gain_vs_peer_at_equal_p99": 1.19461}
+    out = headline(report)
+    assert out["throughput_batched_best_by_format"] == {"binary": 4010.0, "json": 3010.0}
+    assert out["peers"]["triton"] == {"format": "binary", "throughput_best": 2510.0, "p99_ms_best": 12.3,
+                                      "concurrency_best": 32, "settings_best": peer["native_settings_best"],
+                                      "ours_at_equal_p99": 3000.0, "gain": 1.19, "target": 1.0}
+    assert out["peers"]["litserve"] == {"error": "litserve exited with status 1:"}
+    assert out["peer"] == "triton" and out["gain_vs_peer_at_equal_p99"] == 1.19
 
 
 def test_settings_and_failures_say_what_to_fix(tmp_path):

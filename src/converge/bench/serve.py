@@ -15,11 +15,15 @@ batching), ``throughput_batched_best`` (the best concurrency with batching) and
 its p99 latency, their ratio ``gain_vs_single_unbatched``, and the fraction of
 the model's own ceiling the server reaches.
 
-3. with ``peers`` (``mlserver``, ``litserve``; :mod:`.peers`): the same model
-   served by each peer, in its own environment, swept the same way over JSON;
-   ``peer`` names the faster one and ``gain_vs_peer_at_equal_p99`` is our
-   best batched JSON throughput at a p99 no worse than that peer's p99 at its
-   best, over the peer's best throughput (target: >= 1.3).
+3. with ``peers`` (``triton``, ``mlserver``, ``litserve``; :mod:`.peers`): the
+   same model served by each peer, in its own environment, at every setting of
+   its grid (:mod:`.peer_settings`: batch size, queue delay, workers), swept
+   the same way in the best format it speaks (Triton binary, the others JSON).
+   Each ``peers.<name>`` holds its best (``throughput_best``, its p99 and its
+   settings, ``settings_best``) and ``ours_at_equal_p99``: our best batched
+   throughput in that format at a p99 no worse, and the gain over the peer's
+   best (targets: >= 1.0 for Triton, >= 1.3 for the others). ``peer`` and
+   ``gain_vs_peer_at_equal_p99`` name the peer hardest to beat.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -38,13 +42,21 @@ import numpy as np
 from ..config import parse_positive_ints
 from .loadgen import InferTarget, LoadProcess
 from .server_process import ServeBenchError, ServerProcess, check_server
-from .peers import (DEFAULT_ENV_ROOT, PEERS, PeerBatching, PeerError, compare_with_peers, ensure_peer_env,
-                    fastest_clean, measure_peer)
+from .peer_envs import DEFAULT_ENV_ROOT, PEERS, ensure_peer_env
+from .peer_settings import PeerSettings, check_settings, default_grid, parse_peer_grid
+from .peers import PEER_FORMATS, PeerError, compare_with_peers, fastest_clean, measure_peer
+from .serve_plot import plot_serve_sweep
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128)
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FORMATS = ("binary", "json")
 DISTINCT_REQUESTS = 16  # different samples cycled through by the clients
+LIKE_FOR_LIKE = ("every server calls the same ServedModel.predict of the run, at the run's precision, with "
+                 "OMP_NUM_THREADS torch threads per model worker (converge serve: one model process, max_batch_size "
+                 "as configured, no queue delay); the same load generator, warm-up, window, concurrencies and "
+                 "distinct requests; each peer in the best tensor format it speaks (Triton: KServe v2 binary "
+                 "extension, MLServer and LitServe: JSON) at its best point over its settings grid, beside our best "
+                 "in that format at a p99 no worse")
 
 
 @dataclass(frozen=True)
@@ -76,9 +88,10 @@ class ServeBenchConfig:
     timeout_s: float = 30.0  # per request
     startup_timeout_s: float = 180.0  # for `converge serve` (and the peers) to answer
     seed: int = 0
-    peers: tuple[str, ...] = ()  # other servers of the same model, over JSON: mlserver, litserve
-    peer_batching: PeerBatching = PeerBatching()
+    peers: tuple[str, ...] = ()  # other servers of the same model: triton, mlserver, litserve
+    peer_grid: dict[str, tuple[PeerSettings, ...]] = field(default_factory=dict)  # absent: default_grid(peer)
     peer_env_root: str = str(DEFAULT_ENV_ROOT)  # their virtual environments, made on first use
+    peer_confirm: bool = True  # sweep each peer's selected setting again and report that pass
 
     def __post_init__(self) -> None:
         if not self.concurrencies or any(c < 1 for c in self.concurrencies):
@@ -96,22 +109,38 @@ class ServeBenchConfig:
                              "need batch sizes >= 1 and a time > 0")
         if set(self.peers) - set(PEERS) or len(set(self.peers)) != len(self.peers):
             raise ValueError(f"peers={self.peers}: choose distinct ones from {', '.join(PEERS)}")
-        if self.peers and "json" not in self.formats:
-            raise ValueError(f"peers={self.peers} speak JSON only: add json to formats={self.formats}")
+        for peer in self.peers:
+            if PEER_FORMATS[peer] not in self.formats:
+                raise ValueError(f"peers={self.peers}: {peer} is compared over {PEER_FORMATS[peer]}: add "
+                                 f"{PEER_FORMATS[peer]} to formats={self.formats}")
+        if set(self.peer_grid) - set(self.peers):
+            raise ValueError(f"peer_grid names {sorted(set(self.peer_grid) - set(self.peers))}, not among "
+                             f"peers={self.peers}")
+        for peer, grid in self.peer_grid.items():
+            if not grid:
+                raise ValueError(f"peer_grid[{peer!r}] is empty: give one setting or more, or leave it out")
+            for settings in grid:
+                check_settings(peer, settings)
+
+    def peer_settings_for(self, peer: str) -> tuple[PeerSettings, ...]:
+        """The settings ``peer`` is measured at: ``peer_grid``'s, or its default grid around our batch limit."""
+        return self.peer_grid.get(peer) or default_grid(peer, max(m.max_batch_size for m in self.modes))
 
     @classmethod
     def from_options(cls, concurrency: str, duration_s: float, warmup_s: float, formats: str, max_batch_size: int,
-                     device: str = "cpu", peers: str = "") -> "ServeBenchConfig":
-        """From command-line text (``"1,4,16"``, ``"binary,json"``, ``"mlserver,litserve"``): batched at
-        ``max_batch_size`` (the peers too) and unbatched."""
+                     device: str = "cpu", peers: str = "", peer_grid: str = "") -> "ServeBenchConfig":
+        """From command-line text (``"1,4,16"``, ``"binary,json"``, ``"triton,mlserver"``, ``peer_grid`` as
+        :func:`.peer_settings.parse_peer_grid` reads it): batched at ``max_batch_size`` and unbatched; the
+        peers' default grids are centred on ``max_batch_size``."""
+        chosen = parse_peers(peers)
         return cls(concurrencies=parse_counts(concurrency), duration_s=duration_s, warmup_s=warmup_s,
                    formats=tuple(f.strip() for f in formats.split(",")), device=device,
                    modes=(replace(MODES[0], max_batch_size=max_batch_size), *MODES[1:]),
-                   peers=parse_peers(peers), peer_batching=PeerBatching(max_batch_size=max_batch_size))
+                   peers=chosen, peer_grid=parse_peer_grid(peer_grid, chosen, max_batch_size))
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
-    """``"mlserver, litserve"`` -> ("mlserver", "litserve"); ``""`` -> ()."""
+    """``"triton, mlserver"`` -> ("triton", "mlserver"); ``""`` -> ()."""
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
@@ -210,6 +239,7 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
     pool = example_inputs(config["app"], app_cfg, max(max(cfg.ceiling_batches), DISTINCT_REQUESTS), cfg.seed)
     check_inputs(pool, model.inputs)
     outputs, precision, threads = [s.name for s in model.outputs], model.precision, torch.get_num_threads()
+    signature = (tuple(model.inputs), tuple(model.outputs))  # what Triton's config declares
     t0 = time.perf_counter()
     ceiling = model_ceiling(model.predict, pool, cfg.ceiling_batches, cfg.ceiling_min_time_s)
     samples = [{k: v[i:i + 1] for k, v in pool.items()} for i in range(DISTINCT_REQUESTS)]
@@ -227,12 +257,15 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
                 sweep += sweep_server(load, server, samples, cfg, mode)
         for peer in cfg.peers:
             try:
-                peers[peer] = measure_peer(peer, run_dir, config["app"], samples, reference, precision, load, cfg,
-                                           logs, threads)
+                peers[peer] = measure_peer(peer, run_dir, config["app"], signature, samples, reference, precision,
+                                           load, cfg, logs, threads)
             except PeerError as err:  # ours is measured: keep it, say why this peer is missing
                 print(f"error: {err}", file=sys.stderr)
                 peers[peer] = {"peer": peer, "error": str(err)}
     batched = max(cfg.modes, key=lambda m: m.max_batch_size).name
+    comparison = compare_with_peers(sweep, peers, batched) if cfg.peers else {}
+    for peer, ours in comparison.pop("vs_peers", {}).items():
+        peers[peer]["ours_at_equal_p99"] = ours
     by_format = {fmt: summarize(sweep, ceiling, fmt, batched) for fmt in cfg.formats}
     best = max(ceiling, key=lambda r: r["samples_per_s"])
     single = next((r["samples_per_s"] for r in ceiling if r["batch_size"] == 1), None)
@@ -243,7 +276,7 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
         "model_only": ceiling, "model_only_single": single,
         "model_only_best": {"samples_per_s": best["samples_per_s"], "batch_size": best["batch_size"]},
         **by_format[cfg.formats[0]], "by_format": by_format, "sweep": sweep,
-        **({"peers": peers, **compare_with_peers(sweep, peers, batched)} if cfg.peers else {}),
+        **({"peers": peers, **comparison, "like_for_like": LIKE_FOR_LIKE} if cfg.peers else {}),
         "loadgen_cpu_share_max": max(r["cpu_share"] for r in sweep),
         "loadgen_cpu_share_mean": float(np.mean([r["cpu_share"] for r in sweep])),
         "seconds": time.perf_counter() - t0,
@@ -254,61 +287,31 @@ def headline(report: Mapping[str, Any]) -> dict:
     """The numbers worth printing, rounded."""
     keys = ("model_only_single", "model_only_best", "format", "throughput_single_unbatched",
             "throughput_batched_best", "concurrency_batched_best", "p99_ms_batched_best", "gain_vs_single_unbatched",
-            "fraction_of_model_best", "loadgen_cpu_share_max", "peer", "peer_throughput_at_equal_p99", "peer_p99_ms_best",
-            "throughput_at_peer_p99", "p99_ms_at_peer_p99", "gain_vs_peer_at_equal_p99")
+            "fraction_of_model_best", "loadgen_cpu_share_max", "peer", "peer_format", "peer_throughput_at_equal_p99",
+            "peer_p99_ms_best", "throughput_at_peer_p99", "p99_ms_at_peer_p99", "gain_vs_peer_at_equal_p99")
 
     def tidy(v: Any) -> Any:
         if isinstance(v, dict):
             return {k: tidy(x) for k, x in v.items()}
         return float(f"{v:.3g}") if isinstance(v, float) else v
 
-    return {k: tidy(report[k]) for k in keys if k in report}
+    out = {k: tidy(report[k]) for k in keys if k in report}
+    if "by_format" in report:
+        out["throughput_batched_best_by_format"] = {f: tidy(r.get("throughput_batched_best"))
+                                                    for f, r in report["by_format"].items()}
+    if report.get("peers"):
+        out["peers"] = {name: tidy(peer_headline(p)) for name, p in report["peers"].items()}
+    return out
 
 
-def _annotate_concurrency(ax, rows: Sequence[Mapping[str, Any]]) -> None:
-    for r in rows:
-        ax.annotate(str(r["concurrency"]), (r["throughput_sps"], r["p99_ms"]), fontsize=7, textcoords="offset points",
-                    xytext=(3, 3))
-
-
-def plot_serve_sweep(reports: Mapping[str, Mapping[str, Any]], path: str | Path) -> Path:
-    """Throughput (samples/s) against p99 latency, one panel per report, one line per (mode, format) and one
-    per peer (JSON); the model's own best and batch-1 throughputs as vertical lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
-    for ax, (label, report) in zip(axes[0], reports.items()):
-        modes = list(dict.fromkeys(r["mode"] for r in report["sweep"]))
-        for mode, fmt in sorted({(r["mode"], r["format"]) for r in report["sweep"]}):
-            rows = [r for r in report["sweep"] if (r["mode"], r["format"]) == (mode, fmt) and r["p99_ms"] is not None]
-            ax.plot([r["throughput_sps"] for r in rows], [r["p99_ms"] for r in rows], "o-" if fmt == "binary"
-                    else "s--", color=f"C{modes.index(mode)}", label=f"{mode}, {fmt}")
-            _annotate_concurrency(ax, rows)
-        for i, (peer, measured) in enumerate(report.get("peers", {}).items()):
-            rows = [r for r in measured.get("sweep", []) if r["p99_ms"] is not None]
-            ax.plot([r["throughput_sps"] for r in rows], [r["p99_ms"] for r in rows], "^:", color=f"C{len(modes) + i}",
-                    label=f"{peer}, json")
-            _annotate_concurrency(ax, rows)
-        best = report["model_only_best"]
-        ax.axvline(best["samples_per_s"], color="k", lw=1, label=f"model alone, batch {best['batch_size']}")
-        if report.get("model_only_single"):
-            ax.axvline(report["model_only_single"], color="grey", lw=1, ls=":", label="model alone, batch 1")
-        peers = " vs " + ", ".join(report["peers"]) if report.get("peers") else ""
-        ax.set(xscale="log", yscale="log", xlabel="throughput [samples/s]", ylabel="p99 latency [ms]",
-               title=f"{label}: converge serve{peers} (labels: concurrency)")
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+def peer_headline(peer: Mapping[str, Any]) -> dict:
+    """A peer's best, its settings there and ours beside it; or why it is missing."""
+    if "error" in peer:
+        return {"error": peer["error"].splitlines()[0]}
+    ours = peer.get("ours_at_equal_p99", {})
+    return {"format": peer["format"], "throughput_best": peer["throughput_best"], "p99_ms_best": peer["p99_ms_best"],
+            "concurrency_best": peer["concurrency_best"], "settings_best": peer["native_settings_best"],
+            "ours_at_equal_p99": ours.get("throughput"), "gain": ours.get("gain"), "target": ours.get("gain_target")}
 
 
 def write_results(reports: Mapping[str, Mapping[str, Any]], out_dir: str | Path, stem: str = "serve"
@@ -324,7 +327,8 @@ def write_results(reports: Mapping[str, Mapping[str, Any]], out_dir: str | Path,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m converge.bench.serve RUN [--duration S] [--concurrency 1,2,4] [--peers mlserver,litserve]``."""
+    """``python -m converge.bench.serve RUN [--duration S] [--concurrency 1,2,4] [--peers triton,mlserver,litserve]
+    [--peer-grid "triton.delay_ms=0,0.5 mlserver.workers=1,2"]``."""
     parser = argparse.ArgumentParser(prog="converge bench serve", description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, help="a `converge train` run folder (any app)")
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per concurrency level")
@@ -334,14 +338,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=64, help="of the batched server")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     parser.add_argument("--out", type=Path, default=None, help="where serve.json, serve.png go (default RUN)")
-    parser.add_argument("--peers", default="", help="also serve the model with mlserver, litserve or both (JSON)")
+    parser.add_argument("--peers", default="", help="also serve the model with triton, mlserver and/or litserve")
+    parser.add_argument("--peer-grid", default="", help="the peers' settings to sweep, PEER.AXIS=V1,V2 items (axes "
+                        "max_batch_size, delay_ms, workers), e.g. 'triton.delay_ms=0,0.5 mlserver.workers=1'; "
+                        "axes not named keep their defaults")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
     try:
         cfg = ServeBenchConfig.from_options(args.concurrency, args.duration, args.warmup, args.formats,
-                                            args.max_batch_size, args.device, args.peers)
+                                            args.max_batch_size, args.device, args.peers, args.peer_grid)
         out = args.out or args.run
         report = run_serve_benchmark(args.run, cfg, log_dir=out)
     except (ValueError, RuntimeError) as err:  # ModelLoadError, ServeBenchError and bad settings
