@@ -1,8 +1,12 @@
 """The gw app: detect binary-black-hole mergers in whitened LIGO strain.
 
 Simulator: IMRPhenomD waveforms (LALSuite) projected on a detector and whitened
-by the Advanced LIGO design PSD. Surrogate: a 1D CNN. Baseline: matched
-filtering over a template bank. See ``pipeline.py`` for what is drawn fresh.
+by the Advanced LIGO design PSD; with ``app.detectors = ["H1", "L1"]`` (the MLGWSC-1
+presets, ``GWConfig.mlgwsc1``) on each detector with its antenna pattern and arrival
+delay. Surrogate: a 1D CNN, coherent over the detectors (``model.py``). Baseline:
+matched filtering over a template bank. See ``pipeline.py`` for what is drawn fresh.
+Searches over continuous data: ``converge search gw`` (``search.py``, ``mfsearch.py``,
+``follow.py``), scored with the challenge's own code (``challenge.py``).
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ class GWApp(App):
         return GWLearning(self, cfg)
 
     def schema(self, cfg: GWConfig) -> dict[str, ArraySpec]:
+        if cfg.coherent:
+            return {"signal": ArraySpec((len(cfg.network), cfg.stored_samples), "float32")}
         return {"signal": ArraySpec((cfg.stored_samples,), "float32")}
 
     def sample_parameters(self, cfg: GWConfig, rng: np.random.Generator) -> dict[str, float]:
@@ -73,7 +79,7 @@ class GWApp(App):
         return {"signal": whitened_signal(cfg, params).astype(np.float32)}
 
     def make_model(self, cfg: GWConfig) -> DetectionCNN:
-        return DetectionCNN(cfg.window_samples, tuple(cfg.channels), cfg.hidden)
+        return DetectionCNN(cfg.window_samples, tuple(cfg.channels), cfg.hidden, len(cfg.network))
 
     def make_datasets(
         self, cfg: GWConfig, arrays: Mapping[str, np.ndarray], seed: int, val_fraction: float
@@ -107,7 +113,8 @@ class GWApp(App):
         return evaluate_run(self, Path(run_dir), Path(data_dir), Path(out_dir), **options)
 
     def serving_signature(self, cfg: GWConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        inputs = [TensorSpec("strain", "FP32", (-1, cfg.window_samples))]  # whitened, cfg.sample_rate
+        shape = (-1, len(cfg.network), cfg.window_samples) if cfg.coherent else (-1, cfg.window_samples)
+        inputs = [TensorSpec("strain", "FP32", shape)]  # whitened, cfg.sample_rate
         outputs = [TensorSpec("logit", "FP32", (-1,)), TensorSpec("probability", "FP32", (-1,))]
         return inputs, outputs
 
@@ -144,13 +151,14 @@ class GWApp(App):
 
     def synthetic_batch(self, cfg: GWConfig, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """White-noise windows, half labelled signal (labels change no timing)."""
-        return {"input": torch.randn(batch_size, cfg.window_samples, generator=generator),
+        shape = (batch_size, len(cfg.network), cfg.window_samples) if cfg.coherent else (batch_size, cfg.window_samples)
+        return {"input": torch.randn(*shape, generator=generator),
                 "label": (torch.rand(batch_size, generator=generator) < 0.5).float(), "snr": torch.zeros(batch_size)}
 
     def commands(self) -> dict:
-        from .commands import detect
+        from .commands import detect, search
 
-        return {"detect": detect}
+        return {"detect": detect, "search": search}
 
     def predict_file(self, run_dir: Path, path: Path, out: Path | None = None) -> Path:
         """Triggers of the CNN in a GWOSC-layout strain file at the run's FAP 1e-3 threshold (``detect``)."""

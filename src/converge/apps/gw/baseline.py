@@ -29,6 +29,9 @@ def bank_for(cfg: GWConfig, templates: int = 0) -> TemplateBank:
 
 
 def matched_filter_baseline(cfg: GWConfig, device: torch.device, quick: bool = False) -> Baseline:
+    if cfg.coherent:
+        raise NotImplementedError("the window matched filter is single-detector; a network's classical search is "
+                                  "converge.apps.gw.mfsearch (converge search gw --method matched-filter)")
     bank = bank_for(cfg, QUICK_TEMPLATES if quick else 0).to(device)
 
     def run(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -159,6 +159,9 @@ def evaluate_run(app, run_dir: Path, data_dir: Path, out_dir: Path, ev: GWEvalCo
     ev = replace(ev, precision=resolve_precision(ev.precision, app.default_precision, torch.device("cpu")))
     model, config = load_model(app, run_dir)
     cfg = from_dict(GWConfig, config["app_config"], "app")
+    if cfg.coherent:
+        raise ValueError(f"{run_dir} sees {', '.join(cfg.network)}: window-level evaluation is single-detector; "
+                         "score a network with `converge search gw` over continuous data (benchmarks/mlgwsc.py)")
     signals = load_test_signals(cfg, data_dir)
     bank = load_bank(cfg)
     cache = matched_filter_cache_path(data_dir, ev, cfg)

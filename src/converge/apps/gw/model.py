@@ -9,6 +9,17 @@ statistic at low false-alarm rates must not saturate, and a sigmoid (or a
 two-class softmax) rounds the loudest noise and the quietest signals to the same
 1.0 in float32 (Schäfer et al. 2022, PRD 105, 043002, remove the final softmax for
 exactly this reason). ``torch.sigmoid(z)`` gives the probability where wanted.
+
+Several detectors: the network is *coherent*, the detectors are the input channels of
+the first convolution (``(B, D, T)``), as in the best MLGWSC-1 entries (TPI FSU Jena,
+Schäfer et al. 2023) and Aframe (Marx et al. 2024). Why this and not per-detector scores
+joined by coincidence: a coherent network sees the relative time (within the 10 ms light
+travel time), phase and amplitude of the two responses, which noise in two detectors
+does not reproduce; a coincidence of two single-detector scores throws that away and needs
+each detector's score above its own threshold, so it loses the signals that are loud in
+one detector and quiet in the other (the antenna patterns make that common). The price:
+time slides must re-run the network on each shifted pair (a coincidence search re-pairs
+cached per-detector triggers), which the search pays per slide (``search.py``).
 """
 from __future__ import annotations
 
@@ -31,7 +42,7 @@ def conv_block(c_in: int, c_out: int, kernel: int, pool: int) -> nn.Sequential:
 
 
 class DetectionCNN(nn.Module):
-    """1D CNN on a whitened window of ``n_samples``; returns logits of shape (B,).
+    """1D CNN on a whitened window of ``n_samples`` (``n_detectors`` channels); returns logits of shape (B,).
 
     The stem is a strided convolution, a learned filter bank that also
     downsamples by 4 (whitened BBH signals carry little power above ~500 Hz at
@@ -39,11 +50,12 @@ class DetectionCNN(nn.Module):
     network costs about 10 MFLOP per 1 s window.
     """
 
-    def __init__(self, n_samples: int, channels: tuple[int, ...] = (16, 32, 64), hidden: int = 64) -> None:
+    def __init__(self, n_samples: int, channels: tuple[int, ...] = (16, 32, 64), hidden: int = 64,
+                 n_detectors: int = 1) -> None:
         super().__init__()
         c1, c2, c3 = channels
         self.features = nn.Sequential(
-            nn.Conv1d(1, c1, 32, stride=4, padding=14, bias=False),  # (B, c1, N/4)
+            nn.Conv1d(n_detectors, c1, 32, stride=4, padding=14, bias=False),  # (B, c1, N/4)
             nn.BatchNorm1d(c1),
             nn.ELU(),
             conv_block(c1, c2, kernel=9, pool=4),  # (B, c2, N/16)
@@ -59,9 +71,11 @@ class DetectionCNN(nn.Module):
             nn.Linear(hidden, 1),
         )
         self.n_samples = n_samples
+        self.n_detectors = n_detectors
 
     def forward(self, strain: torch.Tensor) -> torch.Tensor:
-        x = strain.unsqueeze(1)  # (B, 1, N)
+        """``strain`` (B, N) for one detector, (B, D, N) for a network."""
+        x = strain.unsqueeze(1) if strain.dim() == 2 else strain  # (B, D, N)
         h = self.features(x)  # (B, C, N/64)
         pooled = torch.cat([h.amax(dim=-1), h.mean(dim=-1)], dim=-1)  # (B, 2C)
         # The head runs in fp32 even under bf16 autocast: a bf16 logit keeps only

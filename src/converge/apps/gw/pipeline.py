@@ -41,29 +41,38 @@ def window_psd(cfg: GWConfig) -> torch.Tensor:
 
 
 def whitened_noise(cfg: GWConfig, batch: int, g: torch.Generator) -> torch.Tensor:
-    """Design-PSD noise, whitened by the same PSD: (batch, window_samples)."""
+    """Design-PSD noise, whitened by the same PSD: (batch, window_samples), or (batch, D, window_samples)
+    for a network (independent noise in each detector)."""
     psd = window_psd(cfg)
-    noise = colored_noise_torch(psd, cfg.window_samples, batch, cfg.sample_rate, g)
-    return whiten(noise, psd, cfg.sample_rate).float()
+    n_det = len(cfg.network) if cfg.coherent else 1
+    noise = colored_noise_torch(psd, cfg.window_samples, batch * n_det, cfg.sample_rate, g)
+    white = whiten(noise, psd, cfg.sample_rate).float()
+    return white.reshape(batch, n_det, cfg.window_samples) if cfg.coherent else white
 
 
 def crop_windows(signals: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """Windows ``signals[i, offsets[i] : offsets[i] + n]``: (B, L) -> (B, n)."""
+    """Windows ``signals[i, ..., offsets[i] : offsets[i] + n]``: (B, L) -> (B, n), or (B, D, L) -> (B, D, n)
+    with the same offset in every detector (their relative delays are kept)."""
     idx = offsets.unsqueeze(1) + torch.arange(n).unsqueeze(0)  # (B, n)
+    if signals.dim() == 3:
+        idx = idx.unsqueeze(1).expand(-1, signals.shape[1], -1)  # (B, D, n)
+        return torch.gather(signals, 2, idx)
     return torch.gather(signals, 1, idx)
 
 
 def scale_to_snr(windows: torch.Tensor, snr: torch.Tensor) -> torch.Tensor:
-    """Rescale whitened windows so each has optimal SNR ``snr`` (its L2 norm)."""
-    norm = windows.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    return windows * (snr.unsqueeze(1) / norm)
+    """Rescale whitened windows so each has optimal SNR ``snr`` (its L2 norm; over all detectors of a
+    (B, D, n) network window: the network SNR)."""
+    dims = tuple(range(1, windows.dim()))
+    norm = torch.linalg.vector_norm(windows, dim=dims, keepdim=True).clamp_min(1e-12)
+    return windows * (snr.reshape(-1, *([1] * len(dims))) / norm)
 
 
 def signal_windows(
     cfg: GWConfig, signals: torch.Tensor, snr: torch.Tensor, g: torch.Generator
 ) -> torch.Tensor:
     """Whitened signals cropped at a random merger time and scaled to ``snr``."""
-    span = signals.shape[1] - cfg.window_samples
+    span = signals.shape[-1] - cfg.window_samples
     offsets = torch.randint(0, span + 1, (signals.shape[0],), generator=g)
     return scale_to_snr(crop_windows(signals, offsets, cfg.window_samples), snr)
 

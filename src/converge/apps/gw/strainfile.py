@@ -125,3 +125,45 @@ def make_injection_strain(
         data = data + sig
         placed.append({**dict(inj), "snr": injection_snr(sig, psd, fs)})
     return Strain(data, float(fs), gps_start, cfg.detector), placed
+
+
+def make_network_strain(
+    cfg: GWConfig,
+    duration: float,
+    injections: Sequence[Mapping[str, float]],
+    seed: int,
+    gps_start: float = 1_000_000_000.0,
+) -> tuple[dict[str, np.ndarray], list[dict[str, float]]]:
+    """Design-PSD noise in each detector of ``cfg.network`` with BBH signals at geocentric merger times.
+
+    Each injection holds the parameters of :func:`waveforms.sample_bbh_parameters`, ``gps_time`` (the
+    geocentric merger) and ``snr`` (the target network optimal SNR against the design PSD). Every
+    detector gets its antenna pattern and its arrival delay (a Fourier phase, exact to the sample's
+    fraction). Returns ``({detector: strain}, injections as placed, with each detector's SNR)``.
+    """
+    from .waveforms import arrival_delay
+
+    fs = cfg.sample_rate
+    n = int(round(duration * fs))
+    psd = design_psd(cfg.psd, n, fs, cfg.f_lower)
+    rng = np.random.default_rng(seed)
+    data = {d: colored_gaussian_noise(psd, n, fs, rng) for d in cfg.network}
+    freqs = np.fft.rfftfreq(n, 1.0 / fs)
+    placed = []
+    for inj in injections:
+        signals = {}
+        for det in cfg.network:
+            t, h = projected_strain(cfg, inj, min(cfg.segment, duration), fs, 1000.0, detector=det)
+            start = int(round((inj["gps_time"] - gps_start + t[0]) * fs))
+            if start < 0 or start + len(h) > n:
+                raise ValueError(f"injection at GPS {inj['gps_time']} does not fit the {duration} s strain")
+            sig = np.zeros(n)
+            sig[start:start + len(h)] = h
+            shift = arrival_delay(det, inj) + (inj["gps_time"] - gps_start + t[0]) - start / fs
+            signals[det] = np.fft.irfft(np.fft.rfft(sig) * np.exp(-2j * np.pi * freqs * shift), n=n)
+        snrs = {d: injection_snr(s, psd, fs) for d, s in signals.items()}
+        scale = inj["snr"] / np.sqrt(sum(v**2 for v in snrs.values()))
+        for det in cfg.network:
+            data[det] = data[det] + scale * signals[det]
+        placed.append({**dict(inj), **{f"snr_{d}": scale * v for d, v in snrs.items()}})
+    return data, placed

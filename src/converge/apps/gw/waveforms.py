@@ -7,13 +7,17 @@ phase carries the linear term that zeroes the group delay ``dphi/df / 2pi`` at
 the peak frequency of the ringdown amplitude (``fmaxCalc`` in LALSimIMRPhenomD.c),
 which lies within a few milliseconds of the peak of the time-domain
 ``|h_+ - i h_x|`` (tested). :func:`whitened_signal` puts this ``t = 0``, to the
-sample, at index ``cfg.merger_index`` of the stored series; it is the detector
-arrival time (no geocentre-to-detector delay is applied: one detector only).
+sample, at index ``cfg.merger_index`` of the stored series. With one detector it is
+the detector arrival time (no geocentre-to-detector delay is applied). With several
+(``cfg.coherent``) it is the geocentric time, as in the challenge's injection files
+(``tc``), and each detector's response arrives ``dt_d = Detector.time_delay_from_earth_center``
+later (at most 21 ms for H1 and L1), applied exactly as the phase ``exp(-2 pi i f dt_d)``.
 
 Parameters (a mapping, all floats): ``mass1``, ``mass2`` [solar masses, detector
 frame], ``inclination``, ``polarization``, ``ra``, ``dec``, ``coa_phase`` [rad],
 optional ``gps_time`` [s] (sets the Earth's orientation for the antenna pattern;
-:data:`REFERENCE_GPS_TIME` when absent). Spins are zero.
+:data:`REFERENCE_GPS_TIME` when absent), optional spins ``spin1x`` ... ``spin2z``
+(dimensionless, zero when absent; ``f_ref = f_lower``).
 """
 from __future__ import annotations
 
@@ -58,9 +62,13 @@ def antenna_pattern(detector: str, ra: float, dec: float, polarization: float, g
     return float(fplus), float(fcross)
 
 
-def source_arguments(cfg: GWConfig, params: Mapping[str, float], distance_mpc: float) -> dict[str, float | str]:
-    """PyCBC waveform arguments of one source: approximant, masses, orientation, distance (zero spins)."""
-    return {
+SPIN_KEYS = ("spin1x", "spin1y", "spin1z", "spin2x", "spin2y", "spin2z")
+
+
+def source_arguments(cfg: GWConfig, params: Mapping[str, float], distance_mpc: float) -> dict:
+    """PyCBC waveform arguments of one source: approximant, masses, orientation, distance, the spins the
+    parameters hold and ``cfg.mode_array`` (as PyCBC's ``[[l, m], ...]``)."""
+    args: dict = {
         "approximant": cfg.approximant,
         "mass1": float(params["mass1"]),
         "mass2": float(params["mass2"]),
@@ -68,6 +76,11 @@ def source_arguments(cfg: GWConfig, params: Mapping[str, float], distance_mpc: f
         "coa_phase": float(params.get("coa_phase", 0.0)),
         "distance": distance_mpc,
     }
+    args.update({k: float(params[k]) for k in SPIN_KEYS if params.get(k, 0.0) != 0.0})
+    if cfg.mode_array:
+        args["mode_array"] = [[m // 10, m % 10] for m in cfg.mode_array]
+        args["f_ref"] = cfg.f_lower
+    return args
 
 
 def fd_polarizations(
@@ -98,10 +111,11 @@ def _fit_length(series: np.ndarray, n_freq: int) -> np.ndarray:
     return out
 
 
-def source_antenna_pattern(cfg: GWConfig, params: Mapping[str, float]) -> tuple[float, float]:
-    """(F+, Fx) of ``cfg.detector`` for a source's sky position, polarisation and GPS time."""
+def source_antenna_pattern(cfg: GWConfig, params: Mapping[str, float],
+                           detector: str | None = None) -> tuple[float, float]:
+    """(F+, Fx) of ``detector`` (default: the config's first) for a source's sky position, polarisation, GPS time."""
     return antenna_pattern(
-        cfg.detector,
+        detector or cfg.network[0],
         float(params.get("ra", 0.0)),
         float(params.get("dec", 0.0)),
         float(params.get("polarization", 0.0)),
@@ -116,6 +130,27 @@ def fd_detector_strain(
     hp, hc = fd_polarizations(cfg, params, distance_mpc)
     fplus, fcross = source_antenna_pattern(cfg, params)
     return fplus * hp + fcross * hc
+
+
+def arrival_delay(detector: str, params: Mapping[str, float]) -> float:
+    """Arrival time at ``detector`` minus the geocentric time [s] of a plane wave from the source's sky
+    position at its GPS time (PyCBC ``Detector.time_delay_from_earth_center``)."""
+    return float(_detector(detector).time_delay_from_earth_center(
+        float(params.get("ra", 0.0)), float(params.get("dec", 0.0)), float(params.get("gps_time", REFERENCE_GPS_TIME))))
+
+
+def fd_network_strain(
+    cfg: GWConfig, params: Mapping[str, float], distance_mpc: float = DEFAULT_DISTANCE_MPC
+) -> np.ndarray:
+    """Each detector's response ``(F+ h+ + Fx hx) exp(-2 pi i f dt_d)`` [strain/Hz], ``(D, n // 2 + 1)``,
+    detectors in ``cfg.network`` order, times relative to the geocentric coalescence (module docstring)."""
+    hp, hc = fd_polarizations(cfg, params, distance_mpc)
+    freqs = np.fft.rfftfreq(segment_samples(cfg), 1.0 / cfg.sample_rate)
+    out = []
+    for det in cfg.network:
+        fplus, fcross = source_antenna_pattern(cfg, params, det)
+        out.append((fplus * hp + fcross * hc) * np.exp(-2j * np.pi * freqs * arrival_delay(det, params)))
+    return np.stack(out)
 
 
 def whitened_span(
@@ -149,13 +184,18 @@ def whitened_span(
 
 
 def whitened_signal(cfg: GWConfig, params: Mapping[str, float], psd: np.ndarray | None = None) -> np.ndarray:
-    """Whitened detector response, unit optimal SNR over the stored span, float32 ``(stored_samples,)``.
+    """Whitened detector response, unit optimal SNR over the stored span, float32 ``(stored_samples,)``,
+    or ``(D, stored_samples)`` for a network (``cfg.coherent``).
 
     The merger (FD ``t = 0``, see the module docstring) is at index ``cfg.merger_index``;
-    the series is divided by its Euclidean norm (= optimal SNR, see ``noise``) so that
-    ``optimal_snr(out) == 1``; the data pipeline rescales it per window.
+    the series is divided by its Euclidean norm (= optimal SNR, see ``noise``; for a network
+    the network SNR ``sqrt(sum_d rho_d^2)``, which keeps the detectors' relative amplitudes) so
+    that ``optimal_snr(out) == 1``; the data pipeline rescales it per window.
     """
-    span = whitened_span(cfg, fd_detector_strain(cfg, params), psd)
+    if cfg.coherent:
+        span = np.stack([whitened_span(cfg, h, psd) for h in fd_network_strain(cfg, params)])  # (D, L)
+    else:
+        span = whitened_span(cfg, fd_detector_strain(cfg, params), psd)
     norm = np.linalg.norm(span)
     if not norm > 0:
         raise ValueError(f"signal {dict(params)} has no power above f_lower={cfg.f_lower} Hz in the stored span")
@@ -173,9 +213,10 @@ def sample_bbh_parameters(cfg: GWConfig, rng: np.random.Generator) -> dict[str, 
     """Draw one binary: masses uniform on ``{mass_min <= m2 <= m1 <= mass_max}``, isotropic
     orientation (``cos(inclination)`` uniform in [-1, 1]) and sky (``ra`` uniform in
     [0, 2pi), ``sin(dec)`` uniform in [-1, 1]), ``polarization`` uniform in [0, pi),
-    ``coa_phase`` uniform in [0, 2pi), ``gps_time = REFERENCE_GPS_TIME``."""
+    ``coa_phase`` uniform in [0, 2pi), ``gps_time = REFERENCE_GPS_TIME``; then the spins of
+    ``cfg.spins`` (drawn after the rest, so a zero-spin config draws exactly what it always did)."""
     m_a, m_b = rng.uniform(cfg.mass_min, cfg.mass_max, size=2)
-    return {
+    params = {
         "mass1": float(max(m_a, m_b)),
         "mass2": float(min(m_a, m_b)),
         "inclination": float(np.arccos(rng.uniform(-1.0, 1.0))),
@@ -185,10 +226,22 @@ def sample_bbh_parameters(cfg: GWConfig, rng: np.random.Generator) -> dict[str, 
         "coa_phase": float(rng.uniform(0.0, 2.0 * np.pi)),
         "gps_time": REFERENCE_GPS_TIME,
     }
+    if cfg.spins == "aligned":
+        params["spin1z"], params["spin2z"] = (float(v) for v in rng.uniform(-cfg.spin_max, cfg.spin_max, 2))
+    elif cfg.spins == "isotropic":
+        for body in ("1", "2"):
+            a = rng.uniform(0.0, cfg.spin_max)
+            cos_polar, azimuth = rng.uniform(-1.0, 1.0), rng.uniform(0.0, 2.0 * np.pi)
+            sin_polar = np.sqrt(1.0 - cos_polar**2)
+            params[f"spin{body}x"] = float(a * sin_polar * np.cos(azimuth))
+            params[f"spin{body}y"] = float(a * sin_polar * np.sin(azimuth))
+            params[f"spin{body}z"] = float(a * cos_polar)
+    return params
 
 
 def projected_strain(
-    cfg: GWConfig, params: Mapping[str, float], duration: float, sample_rate: float, distance_mpc: float
+    cfg: GWConfig, params: Mapping[str, float], duration: float, sample_rate: float, distance_mpc: float,
+    detector: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Unwhitened detector strain ``F+ h+(t) + Fx hx(t)`` at ``distance_mpc``, for injections.
 
@@ -197,6 +250,7 @@ def projected_strain(
     ``(times [s] relative to the merger t = 0, strain)``, float64, ending at most
     ``POST_MERGER_S`` after the merger and at most ``round(duration * sample_rate)`` samples
     long (a longer inspiral is cut); each cut end gets a ``TAPER_S`` half-Hann taper.
+    ``detector`` (default the config's first) sets the antenna pattern; no arrival delay is applied.
     """
     from pycbc.waveform import get_td_waveform
 
@@ -205,7 +259,7 @@ def projected_strain(
         delta_t=1.0 / sample_rate,
         f_lower=cfg.f_lower,
     )
-    fplus, fcross = source_antenna_pattern(cfg, params)
+    fplus, fcross = source_antenna_pattern(cfg, params, detector)
     strain = fplus * hp.numpy() + fcross * hc.numpy()
     times = float(hp.start_time) + np.arange(len(strain)) / sample_rate
     # LAL's FD->TD conditioning pads long after the merger; keep POST_MERGER_S of it.

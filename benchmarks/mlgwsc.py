@@ -1,0 +1,311 @@
+"""MLGWSC-1 dataset 1: the coherent CNN search against the matched-filter search, on the challenge's own files.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mlgwsc.py --work runs/mlgwsc                 # a day; 30 days
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mlgwsc.py --work runs/mlgwsc-2h --duration 7200 --slides 360
+
+Stages; each one resumes (a finished stage's files are reused, the matched filter's per-detector triggers are
+cached piece by piece), so an interrupted run picks up where it stopped:
+
+1. data: the challenge's ``generate_data.py -d 1`` for the test foreground/background (``--seed``) and, from
+   another seed, a shorter calibration foreground (``--calibration-seed``); neither seed is used in training;
+2. train: ``--train-samples`` two-detector DS1 waveforms (``GWConfig.mlgwsc1(1)``, seed ``--train-seed``), the
+   coherent CNN trained ``--epochs`` epochs;
+3. calibrate: both searches on the calibration foreground; each one's timing bias and tolerance ``var`` from
+   its injections (:mod:`converge.apps.gw.timing`), used by the test searches;
+4. search: both searches on the test foreground (zero lag) and on the background file with ``--slides`` slides
+   of ``--slide-step`` s, so the background lasts ``slides x duration``;
+5. evaluate: the challenge's ``get_stats`` with the slid background's duration; sensitive distance at 1, 10 and
+   100 false alarms per month with errors, the challenge-style plot and a found/missed plot;
+6. latency: ``--follow`` on the first ``--follow-seconds`` s of the test foreground, landed as 4 s GWOSC files
+   in real time, for each search (p50, p99 of the event latencies);
+7. compute: seconds per strain second of each foreground search (whitening included; the matched filter's as
+   measured when its triggers were computed), one thread, this CPU.
+
+Writes ``benchmarks/results/mlgwsc.json``, ``mlgwsc_sensitivity.png`` and ``mlgwsc_found_missed.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from converge.apps.gw.app import GWApp
+from converge.apps.gw.challenge import (PUBLISHED_DS1, challenge_folder, evaluate_events, found_at,
+                                        plot_found_missed, plot_sensitivity)
+from converge.apps.gw.config import GWConfig
+from converge.apps.gw.datafile import open_strain
+from converge.apps.gw.events import merge_backgrounds, read_events
+from converge.apps.gw.follow import feed_stretches, follow_cnn, follow_matched_filter
+from converge.apps.gw.mfsearch import FilterConfig, search_matched_filter
+from converge.apps.gw.search import SearchConfig, add_far, search_cnn
+from converge.apps.gw.slides import SECONDS_PER_MONTH
+from converge.apps.gw.timing import TIMING_FILE, measure_timing, write_timing
+from converge.bench.artifacts import write_json
+from converge.data.store import ShardStore
+from converge.simulate.runner import SimulateConfig, run_ensemble
+from converge.train.loop import TrainConfig, train
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def generate(work: Path, name: str, seed: int, duration: int) -> dict[str, Path]:
+    """The challenge's generator (unchanged) into ``work/name_{inj,fg,bg}.hdf``; reused when complete."""
+    files = {k: work / f"{name}_{k}.hdf" for k in ("inj", "fg", "bg")}
+    done = work / f".{name}.done"
+    if done.is_file():
+        return files
+    for f in files.values():
+        f.unlink(missing_ok=True)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "generate_data.py", "-d", "1", "-i", files["inj"], "-f", files["fg"],
+                    "-b", files["bg"], "-s", str(seed), "--duration", str(duration)],
+                   cwd=challenge_folder(), env=env, check=True)
+    done.write_text(json.dumps({"seed": seed, "duration": duration, "seconds": time.perf_counter() - t0}))
+    return files
+
+
+def train_cnn(work: Path, args) -> Path:
+    """Simulate the DS1 training set and train the coherent CNN (both resume)."""
+    app, cfg = GWApp(), GWConfig.mlgwsc1(1)
+    data, run = work / "train_data", work / "run"
+    done = work / ".trained"
+    if not done.is_file():
+        run_ensemble(app, cfg, SimulateConfig(samples=args.train_samples, seed=args.train_seed, workers=1,
+                                              shard_size=1000), data, progress=False)  # skips complete shards
+        arrays = ShardStore.open(data).load()
+        result = train(app, cfg, TrainConfig(epochs=args.epochs, batch_size=128, seed=args.train_seed), arrays,
+                       run, resume=(run / "last.pt").exists(), progress=False, extra_config={"data": str(data)})
+        done.write_text(json.dumps({"samples": args.train_samples, "epochs": args.epochs,
+                                    "best": {k: v for k, v in vars(result).items() if isinstance(v, (int, float))}}))
+    return run
+
+
+def run_searches(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], tag: str, slides: int,
+                 step: float, timing: dict[str, Path | None], group: int = 40) -> dict[str, dict]:
+    """Both searches on ``files``' foreground and on its background with ``slides`` slides, run in groups of
+    ``group`` slides (each group's file is kept, so an interrupted background resumes at its last group)."""
+    out = {}
+    for method in ("cnn", "matched_filter"):
+        paths = {"fg": work / f"{tag}_{method}_fg.hdf", "bg": work / f"{tag}_{method}_bg.hdf"}
+        summaries = {}
+        jobs = [("fg", paths["fg"], 0, 1)] + [
+            ("bg", work / f"{tag}_{method}_bg_{first}.hdf", min(group, slides - first + 1), first)
+            for first in range(1, slides + 1, group)]
+        for kind, target, n, first in jobs:
+            if target.is_file() and target.with_suffix(".json").is_file():
+                summaries.setdefault(kind, []).append(json.loads(target.with_suffix(".json").read_text()))
+                continue
+            log(f"{tag}: {method} search of the {kind} file (slides {first}..{first + n - 1})" if n else
+                f"{tag}: {method} search of the {kind} file (zero lag)")
+            search = SearchConfig(slides=n, slide_step=step, first_slide=first)
+            if method == "cnn":
+                result = search_cnn(run, files[kind], target, search, progress=False, timing=timing.get("cnn"))
+            else:
+                result = search_matched_filter(cfg, files[kind], target, search, FilterConfig(),
+                                               cache_dir=work / "mf-cache", timing=timing.get("mf"), progress=False)
+            summaries.setdefault(kind, []).append(result)
+        summaries["fg"] = summaries["fg"][0]
+        if slides:
+            merge_backgrounds([target for kind, target, _, _ in jobs if kind == "bg"], paths["bg"])
+            groups = summaries["bg"]
+            summaries["bg"] = {**groups[0], "background_s": sum(g["background_s"] for g in groups),
+                               "seconds": sum(g["seconds"] for g in groups), "slides": slides, "first_slide": 1}
+        out[method] = {"paths": paths, "summaries": summaries}
+    return out
+
+
+def calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path]) -> dict[str, dict]:
+    """Timing bias and tolerance of each search from the calibration foreground's injections."""
+    import h5py
+
+    with h5py.File(files["inj"]) as f:
+        tc = f["tc"][()]
+    fg = open_strain(files["fg"])
+    tc = tc[(tc > fg.segments[0].start + 30) & (tc < fg.segments[-1].end - 30)]
+    if (run / TIMING_FILE).is_file():  # searches made with a record would fold it in: start from none
+        (run / TIMING_FILE).unlink()
+    searches = run_searches(work, run, cfg, files, "calibration", 0, 2.0, {})
+    records = {}
+    for method, s in searches.items():
+        events, attrs = read_events(s["paths"]["fg"])
+        # the loudest event farther than 1 s from every injection is noise: a match must beat it
+        near = np.min(np.abs(events["time"][:, None] - tc[None]), axis=1)
+        floor = float(events["stat"][near > 1.0].max(initial=-np.inf))
+        try:
+            record = measure_timing(events["time"], events["stat"], tc, stat_floor=floor, window=0.5,
+                                    applied_offset=float(attrs.get("timing_offset_s", 0.0)))
+            record.update(measured=True, measured_on=str(files["fg"]))
+        except ValueError as err:  # too few found: the search keeps its default tolerance, and says so
+            record = {"measured": False, "reason": str(err), "var_s": float(attrs["var_s"]), "offset_s": 0.0}
+        records[method] = record
+    if records["cnn"]["measured"]:
+        write_timing(run, records["cnn"])
+    if records["matched_filter"]["measured"]:
+        write_timing(work / "mf_timing.json", records["matched_filter"])
+    return records
+
+
+def latency(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, speed: float) -> dict[str, dict]:
+    """Event latencies in --follow mode, 4 s GWOSC files landing ``speed`` times faster than real time (one search
+    at a time; the summary's busy_fraction < 1 shows the search kept up, so that the landing rate does not enter
+    the latency)."""
+    out = {}
+    data = open_strain(fg)
+    for method in ("cnn", "matched_filter"):
+        target = work / f"follow_{method}.hdf"
+        if target.with_suffix(".json").is_file():
+            out[method] = json.loads(target.with_suffix(".json").read_text())
+            continue
+        landing = work / f"landing_{method}"
+        shutil.rmtree(landing, ignore_errors=True)
+        log(f"latency: {method} following {seconds:g} s of 4 s files at {speed:g}x real time")
+        feeder = threading.Thread(target=feed_stretches, args=(data, landing, 4.0, 4.0 / speed, seconds),
+                                  daemon=True)
+        feeder.start()
+        if method == "cnn":
+            out[method] = follow_cnn(run, landing, target, SearchConfig(), idle_timeout=20.0)
+        else:
+            timing = work / "mf_timing.json"
+            out[method] = follow_matched_filter(cfg, landing, target, SearchConfig(), FilterConfig(),
+                                                idle_timeout=20.0, timing=timing if timing.is_file() else None)
+        feeder.join()
+        shutil.rmtree(landing, ignore_errors=True)
+    return out
+
+
+def finite(value):
+    """``value`` with every non-finite float replaced by None (strict JSON)."""
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("runs/mlgwsc"))
+    ap.add_argument("--duration", type=int, default=86400, help="test foreground (and background file) [s]")
+    ap.add_argument("--slides", type=int, default=30)
+    ap.add_argument("--slide-step", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=20230, help="the challenge generator's seed of the test files")
+    ap.add_argument("--calibration-seed", type=int, default=20231)
+    ap.add_argument("--calibration-duration", type=int, default=3600)
+    ap.add_argument("--train-seed", type=int, default=1)
+    ap.add_argument("--train-samples", type=int, default=20000)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--follow-seconds", type=float, default=1200.0)
+    ap.add_argument("--follow-speed", type=float, default=4.0, help="landing rate over real time")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    work = args.work.resolve()  # the generator runs in the challenge's folder
+    work.mkdir(parents=True, exist_ok=True)
+    stages: dict[str, float] = {}
+    cfg = GWConfig.mlgwsc1(1)
+
+    t = time.perf_counter()
+    log("data: the challenge's generator")
+    test = generate(work, "test", args.seed, args.duration)
+    calib = generate(work, "calibration", args.calibration_seed, args.calibration_duration)
+    stages["data"] = time.perf_counter() - t
+    t = time.perf_counter()
+    log("train: the coherent two-detector CNN")
+    run = train_cnn(work, args)
+    stages["train"] = time.perf_counter() - t
+    t = time.perf_counter()
+    log("calibrate: timing on the calibration injections")
+    timing_path = work / "timing.done.json"
+    if timing_path.is_file():
+        records = json.loads(timing_path.read_text())
+    else:
+        records = calibrate(work, run, cfg, calib)
+        timing_path.write_text(json.dumps(records, indent=1))
+    stages["calibrate"] = time.perf_counter() - t
+    t = time.perf_counter()
+    measured = {"cnn": run / TIMING_FILE, "mf": work / "mf_timing.json"}
+    searches = run_searches(work, run, cfg, test, "test", args.slides, args.slide_step,
+                            {k: v for k, v in measured.items() if v.is_file()})
+    stages["search"] = time.perf_counter() - t
+    t = time.perf_counter()
+    results, found = {}, {}
+    background_s = min(s["summaries"]["bg"]["background_s"] for s in searches.values())
+    far_level = max(1.0, SECONDS_PER_MONTH / background_s)  # per month: no lower than the background resolves
+    for method, s in searches.items():
+        add_far(s["paths"]["fg"], s["paths"]["bg"])
+        results[method] = evaluate_events(s["paths"]["fg"], s["paths"]["bg"], test["inj"], [test["fg"]])
+        found[method] = found_at(s["paths"]["fg"], s["paths"]["bg"], test["inj"], [test["fg"]], far_level)
+    stages["evaluate"] = time.perf_counter() - t
+    t = time.perf_counter()
+    follow = latency(work, run, cfg, test["fg"], args.follow_seconds, args.follow_speed)
+    stages["latency"] = time.perf_counter() - t
+
+    fg_s = {m: s["summaries"]["fg"] for m, s in searches.items()}
+    cnn_cost = fg_s["cnn"]["seconds"] / fg_s["cnn"]["duration_s"]
+    mf_cost = fg_s["matched_filter"]["compute_seconds_per_strain_second"]
+    reduced = args.duration < 86400 or searches["cnn"]["summaries"]["bg"]["background_s"] < 30 * 86400
+    labels = {"cnn": "coherent CNN", "matched_filter": "matched filter (ours)"}
+    title = (f"MLGWSC-1 DS1, {args.duration / 3600:.3g} h foreground, {background_s / 86400:.3g} d background"
+             + (" (reduced size)" if reduced else ""))
+    plot_sensitivity({labels[m]: r for m, r in results.items()}, args.results / "mlgwsc_sensitivity.png", title)
+    plot_found_missed({f"{labels[m]}, FAR <= {far_level:.3g}/month": f for m, f in found.items()},
+                      args.results / "mlgwsc_found_missed.png", title)
+    method_entry = lambda m: {  # noqa: E731
+        "sensitive_distance_mpc": results[m]["sensitive_distance_mpc"],
+        "sensitive_distance_error_mpc": results[m]["sensitive_distance_error_mpc"],
+        "threshold": results[m]["threshold"], "background_s": searches[m]["summaries"]["bg"]["background_s"],
+        "n_background_events": results[m]["n_background_events"], "timing": records[m],
+        "n_found": {"far_per_month": far_level, "n": int(found[m]["found"].sum())},
+        "n_injections": results[m]["n_injections"]}
+    result = {
+        "ds1": {
+            "foreground_s": fg_s["cnn"]["analysed_s"],
+            "background_s": background_s,
+            "reduced_size": reduced,
+            "seeds": {"test": args.seed, "calibration": args.calibration_seed, "training": args.train_seed},
+            "cnn": {**method_entry("cnn"), "training": {"samples": args.train_samples, "epochs": args.epochs},
+                    "n_windows_per_slide_s": 1 / SearchConfig().stride},
+            "matched_filter": {**method_entry("matched_filter"),
+                               "n_templates": fg_s["matched_filter"]["n_templates"],
+                               "snr_threshold": FilterConfig().snr_threshold},
+            "compute": {"cnn_s_per_strain_s": cnn_cost, "mf_s_per_strain_s": mf_cost, "speedup": mf_cost / cnn_cost,
+                        "threads": 1, "what": "foreground search, whitening included, one thread, same CPU",
+                        "cnn_background_s_per_strain_s_per_slide":
+                            searches["cnn"]["summaries"]["bg"]["seconds"] / (args.slides * args.duration),
+                        "mf_background_s_per_strain_s_per_slide":
+                            searches["matched_filter"]["summaries"]["bg"]["seconds"] / (args.slides * args.duration)},
+            "latency_ms": {m: follow[m]["latency_ms"] for m in follow},
+            "latency_setup": {"stretch_s": 4.0, "landing_speed_over_real_time": args.follow_speed,
+                              "followed_s": args.follow_seconds,
+                              "busy_fraction": {m: follow[m].get("busy_fraction") for m in follow},
+                              "warmup_events_left_out": {m: follow[m].get("n_warmup_events") for m in follow}},
+            "published": PUBLISHED_DS1,
+        },
+        "stage_seconds": stages,
+        "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                    "load_average": os.getloadavg()},
+        "curves": {m: results[m]["curve"] for m in results},
+    }
+    write_json(args.results / "mlgwsc.json", finite(result))
+    print(json.dumps({k: v for k, v in result["ds1"].items() if k not in ("published",)}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Whitening continuous strain in chunks: a PSD per segment from the data, an FIR whitening filter.
+
+PSD. Each segment's one-sided PSD is estimated from its own data (Welch: Hann windows of
+``welch_s`` seconds, 50% overlap, median average, bias-corrected, so that loud signals and
+glitches barely move it) over ``n_b = max(1, round(duration / block_s))`` equal blocks, one
+block in memory at a time, and the block estimates are averaged. The blocks depend only on the
+segment, never on how the search chunks it.
+
+Whitening filter. The gain ``g(f) = 1 / sqrt(S(f) fs / 2)`` (zero below ``f_lower``, the
+convention of :mod:`.noise`) on the Welch grid is turned into the symmetric FIR filter
+``k[j] = irfft(g)[(j - h) mod n] w[j]``, ``j = 0 .. 2h``, ``w`` a Hann window of ``2h + 1``
+taps and ``h = pad_s fs`` (PyCBC's inverse-spectrum truncation, for the inverse ASD).
+Whitened strain is ``y[t] = sum_j k[j] x[t + h - j]``: each output sample needs only the
+``h`` samples either side, so chunks whitened with ``h`` samples of overlap give exactly
+what the whole segment would (tested). Samples closer than ``h`` to a segment's ends cannot
+be whitened and are left out of the analysis (``valid``). Gaussian noise of PSD ``S``
+whitened so has per-sample variance close to the retained band fraction, as in training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from scipy.signal import oaconvolve
+
+from .datafile import StrainSet
+from .noise import welch_psd, whitening_factor
+
+WELCH_S = 4.0  # Welch window [s]; 0.25 Hz resolution, 2 s of filter either side
+BLOCK_S = 512.0  # PSD block [s] held in memory at a time
+CHUNK_S = 256.0  # strain [s] per detector whitened at a time
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Settings of the data conditioning (the search's PSD and whitening)."""
+
+    f_lower: float = 20.0
+    welch_s: float = WELCH_S
+    block_s: float = BLOCK_S
+    chunk_s: float = CHUNK_S
+
+    @property
+    def pad_s(self) -> float:
+        """Half length of the whitening filter [s]: half a Welch window."""
+        return self.welch_s / 2
+
+    def min_segment_s(self, window_s: float) -> float:
+        """Shortest segment that gives at least 8 Welch windows and one analysis window past the pads."""
+        return max(4 * self.welch_s, 2 * self.pad_s + window_s)
+
+
+def segment_psd(data: StrainSet, segment: int, detector: str, cond: Conditioning) -> tuple[np.ndarray, np.ndarray]:
+    """(freqs [Hz], one-sided PSD [1/Hz]) of one detector's segment, averaged over equal blocks (module doc)."""
+    seg = data.segments[segment]
+    n_blocks = max(1, int(round(seg.duration / cond.block_s)))
+    edges = np.linspace(0, seg.n_samples, n_blocks + 1).astype(np.int64)
+    total, weight, freqs = None, 0, None
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        freqs, psd = welch_psd(data.read(segment, detector, int(lo), int(hi)), seg.sample_rate, cond.welch_s)
+        total = psd * (hi - lo) if total is None else total + psd * (hi - lo)
+        weight += hi - lo
+    return freqs, total / weight
+
+
+def whitening_fir(freqs: np.ndarray, psd: np.ndarray, sample_rate: float, f_lower: float) -> np.ndarray:
+    """The symmetric whitening FIR filter ``k`` (2h + 1 taps, float64) of a PSD on a Welch grid (module doc)."""
+    n = 2 * (len(psd) - 1)  # samples of a Welch window
+    psd = np.where(freqs >= f_lower, psd, np.inf)
+    impulse = np.fft.irfft(whitening_factor(psd, sample_rate, n), n=n)  # circular, centred on sample 0
+    h = n // 2
+    taps = np.roll(impulse, h)[: 2 * h + 1] if n % 2 else np.concatenate([np.roll(impulse, h), impulse[h:h + 1]])
+    return taps * np.hanning(2 * h + 3)[1:-1]
+
+
+def fir_whiten(padded: np.ndarray, fir: np.ndarray) -> np.ndarray:
+    """Whitened samples of ``padded`` (the wanted stretch plus ``h`` samples either side): length ``len - 2h``."""
+    return oaconvolve(padded, fir, mode="valid")
+
+
+def valid_range(n_samples: int, fir: np.ndarray) -> tuple[int, int]:
+    """Samples ``[h, n - h)`` of a segment that whitening can reach."""
+    h = len(fir) // 2
+    return h, n_samples - h
+
+
+def whiten_segment(data: StrainSet, segment: int, detector: str, fir: np.ndarray, out: np.ndarray,
+                   chunk: int, progress: Callable[[int], None] | None = None) -> None:
+    """Whiten a segment into ``out`` (an array or memmap of its length), ``chunk`` samples at a time; the
+    samples outside :func:`valid_range` are zero."""
+    n = data.segments[segment].n_samples
+    lo, hi = valid_range(n, fir)
+    h = len(fir) // 2
+    out[:lo] = 0.0
+    out[hi:] = 0.0
+    for start in range(lo, hi, chunk):
+        stop = min(start + chunk, hi)
+        out[start:stop] = fir_whiten(data.read(segment, detector, start - h, stop + h), fir)
+        if progress is not None:
+            progress(stop - start)
+
+
+@dataclass
+class WhitenedSegment:
+    """One segment, each detector whitened into a float32 array (a memmap under ``work_dir``)."""
+
+    start: float  # GPS of sample 0
+    sample_rate: float
+    valid: tuple[int, int]
+    channels: dict[str, np.ndarray]  # detector -> (n_samples,) float32
+    psd: dict[str, tuple[np.ndarray, np.ndarray]]  # detector -> (freqs, PSD)
+    fir: dict[str, np.ndarray]  # detector -> whitening filter
+
+    @property
+    def n_valid(self) -> int:
+        return self.valid[1] - self.valid[0]
+
+
+def whiten_strain_set(data: StrainSet, cond: Conditioning, work_dir: Path, detectors: tuple[str, ...],
+                      progress: Callable[[int], None] | None = None) -> list[WhitenedSegment]:
+    """Every segment of ``data`` whitened (per detector, its own PSD) into memmaps under ``work_dir``."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for k, seg in enumerate(data.segments):
+        channels, psds, firs = {}, {}, {}
+        for det in detectors:
+            freqs, psd = segment_psd(data, k, det, cond)
+            fir = whitening_fir(freqs, psd, seg.sample_rate, cond.f_lower)
+            mm = np.lib.format.open_memmap(work_dir / f"seg{k}_{det}.npy", mode="w+", dtype=np.float32,
+                                           shape=(seg.n_samples,))
+            whiten_segment(data, k, det, fir, mm, int(cond.chunk_s * seg.sample_rate), progress)
+            mm.flush()
+            channels[det], psds[det], firs[det] = mm, (freqs, psd), fir
+        out.append(WhitenedSegment(seg.start, seg.sample_rate, valid_range(seg.n_samples, fir), channels, psds, firs))
+    return out

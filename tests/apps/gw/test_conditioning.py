@@ -1,0 +1,76 @@
+"""Whitening continuous strain: the segment PSD, the FIR filter, chunked equal to whole-file processing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from converge.apps.gw.conditioning import (
+    Conditioning,
+    fir_whiten,
+    segment_psd,
+    valid_range,
+    whiten_segment,
+    whitening_fir,
+)
+from converge.apps.gw.datafile import open_strain, write_mlgwsc1
+from converge.apps.gw.noise import colored_gaussian_noise, whiten
+from converge.apps.gw.psd import design_psd
+
+FS = 2048
+
+
+@pytest.fixture(scope="module")
+def noise_file(tmp_path_factory):
+    n = FS * 80
+    psd = design_psd("aLIGOZeroDetHighPower", n, FS, 15.0)
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("c") / "n.hdf"
+    write_mlgwsc1(path, [(1e9, {d: colored_gaussian_noise(psd, n, FS, rng) for d in ("H1", "L1")})], FS)
+    return open_strain(path)
+
+
+def test_segment_psd_matches_the_design_psd(noise_file):
+    freqs, psd = segment_psd(noise_file, 0, "H1", Conditioning(block_s=32.0))
+    design = design_psd("aLIGOZeroDetHighPower", 4 * FS, FS, 15.0)
+    band = (freqs > 30) & (freqs < 800)
+    ratio = psd[band] / design[band]
+    # 80 s: ~40 Welch windows per bin, so single bins scatter by ~20%; the median and the mean must not
+    assert np.median(ratio) == pytest.approx(1.0, abs=0.03) and np.mean(ratio) == pytest.approx(1.0, abs=0.05)
+
+
+def test_whitened_noise_is_white_with_the_band_fraction_as_variance(noise_file):
+    freqs, psd = segment_psd(noise_file, 0, "H1", Conditioning())
+    fir = whitening_fir(freqs, psd, FS, 20.0)
+    y = fir_whiten(noise_file.read(0, "H1", 0, FS * 80), fir)
+    assert y.var() == pytest.approx(1 - 2 * 20 / FS, abs=0.03)  # the filter's Hann taper softens the 20 Hz edge
+    x = noise_file.read(0, "H1", 0, FS * 80)
+    exact = whiten(x, np.where(np.fft.rfftfreq(len(x), 1 / FS) >= 20, design_psd(
+        "aLIGOZeroDetHighPower", len(x), FS, 15.0), np.inf), FS)
+    h = len(fir) // 2
+    assert np.corrcoef(y, exact[h:len(x) - h])[0, 1] > 0.995  # the truncated filter is the whitening filter
+
+
+def test_fir_is_symmetric_and_odd_length():
+    freqs = np.fft.rfftfreq(8 * 64, 1 / 64.0)
+    fir = whitening_fir(freqs, np.ones_like(freqs), 64.0, 5.0)
+    assert len(fir) % 2 == 1 and np.allclose(fir, fir[::-1])
+
+
+@pytest.mark.parametrize("chunk_s", [3.0, 17.0])
+def test_chunked_whitening_equals_whole_file_whitening(noise_file, chunk_s):
+    freqs, psd = segment_psd(noise_file, 0, "L1", Conditioning())
+    fir = whitening_fir(freqs, psd, FS, 20.0)
+    n = noise_file.segments[0].n_samples
+    whole = np.zeros(n)
+    whiten_segment(noise_file, 0, "L1", fir, whole, chunk=n)
+    chunked = np.zeros(n)
+    whiten_segment(noise_file, 0, "L1", fir, chunked, chunk=int(chunk_s * FS))
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-9)
+    lo, hi = valid_range(n, fir)
+    assert lo == len(fir) // 2 and not whole[:lo].any() and not whole[hi:].any() and whole[lo:hi].std() > 0.5
+
+
+def test_psd_blocks_do_not_depend_on_the_chunk_size(noise_file):
+    a = segment_psd(noise_file, 0, "H1", Conditioning(chunk_s=8.0))[1]
+    b = segment_psd(noise_file, 0, "H1", Conditioning(chunk_s=64.0))[1]
+    np.testing.assert_array_equal(a, b)
