@@ -64,6 +64,15 @@ def test_sensitive_distance_at_far_by_hand(toy, months, found):
     assert (toy / "s.png").stat().st_size > 0 and (toy / "f.png").stat().st_size > 0
 
 
+def test_curve_keeps_the_loud_end():
+    from converge.apps.gw.challenge import curve_points
+
+    idx = curve_points(100_000)
+    assert np.all(np.diff(idx) > 0) and idx[-1] == 99_999 and len(idx) < 700
+    assert set(range(99_800, 100_000)) <= set(idx.tolist())  # the 200 loudest thresholds, all of them
+    assert curve_points(5).tolist() == [0, 1, 2, 3, 4] and len(curve_points(0)) == 0
+
+
 @needs_challenge
 def test_far_below_the_background_resolution_is_not_claimed(toy):
     write_events(toy / "bg_ev.hdf", {"time": np.zeros(1), "stat": np.array([5.5]), "var": np.zeros(1)},

@@ -125,14 +125,21 @@ def summarise_stats(stats: Mapping[str, np.ndarray], inj: Mapping[str, np.ndarra
         out["sensitive_distance_mpc"][key] = float(radius[i])
         out["sensitive_distance_error_mpc"][key] = float(error[i])
         out["threshold"][key] = float(noise[i])
-    step = max(1, len(far) // 400)
-    out["curve"] = {"far_per_month": far[::step].tolist(), "distance_mpc": radius[::step].tolist(),
-                    "error_mpc": error[::step].tolist()}
+    keep = curve_points(len(far))
+    out["curve"] = {"far_per_month": far[keep].tolist(), "distance_mpc": radius[keep].tolist(),
+                    "error_mpc": error[keep].tolist()}
     out.update({"background_s": duration, "n_injections": int(len(inj["tc"])),
                 "n_background_events": int(len(noise)),
                 "n_true_positive_events": int(len(stats["true-positive-event-indices"])),
                 "n_false_positive_events": int(len(stats["false-positive-event-indices"]))})
     return out
+
+
+def curve_points(n: int, n_log: int = 400, n_loud: int = 200) -> np.ndarray:
+    """Indices (ascending) of a background threshold curve of ``n`` points worth plotting: the ``n_loud`` loudest
+    (the low FARs that matter) and ``n_log`` more spaced evenly in log FAR."""
+    louder = np.unique(np.geomspace(1, max(n, 1), n_log).astype(np.int64))  # background events above
+    return np.unique(np.concatenate([n - louder, np.arange(max(0, n - n_loud), n)])).clip(0, max(n - 1, 0))[:n]
 
 
 def found_at(foreground: Path, background: Path, injection_file: Path, foreground_files: Sequence[Path],

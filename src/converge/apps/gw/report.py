@@ -30,9 +30,10 @@ def mlgwsc_tables(r: Mapping[str, Any]) -> list[Table]:
     rows = []
     for method, label in (("cnn", "coherent CNN"), ("matched_filter", "matched filter (ours)")):
         d, e = ds1[method]["sensitive_distance_mpc"], ds1[method]["sensitive_distance_error_mpc"]
-        rows.append([label, *(f"{fmt(d.get(f))} ± {fmt(e.get(f))}" if d.get(f) else fmt(d.get(f)) for f in fars)])
+        rows.append([label, *(f"{d[f]:.0f} ± {e[f]:.0f}" if d.get(f) else fmt(d.get(f)) for f in fars)])
     for name, figures in ds1.get("published", {}).items():
-        rows.append([f"{name} (published, a month)", *(fmt(figures.get(f)) for f in fars)])
+        rows.append([f"{name} (published, a month)", *(f"{figures[f]:.0f}" if f in figures else fmt(None)
+                                                         for f in fars)])
     compute, latency = ds1["compute"], ds1["latency_ms"]
     speed = [["CNN", fmt(compute["cnn_s_per_strain_s"]), fmt(latency["cnn"]["p50"]), fmt(latency["cnn"]["p99"])],
              ["matched filter", fmt(compute["mf_s_per_strain_s"]), fmt(latency["matched_filter"]["p50"]),
