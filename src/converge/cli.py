@@ -547,7 +547,7 @@ def demo_cmd(
         _fail(str(err))
 
 
-def app_command(verb: str, app_name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+def app_command(function: Callable[..., Any]) -> Callable[..., Any]:
     """An app's command function with its clear failures (:class:`~converge.contract.CommandError`) turned into
     the CLI's error message and exit status 2; the signature (arguments, options) is the app's."""
     from .contract import CommandError
@@ -586,7 +586,7 @@ def add_app_commands(root: typer.Typer) -> dict[str, list[str]]:
                             f"`converge {verb} APP --help` for its options.", no_args_is_help=True,
                             rich_markup_mode=None)
         for name, function in by_app.items():
-            group.command(name)(app_command(verb, name, function))
+            group.command(name)(app_command(function))
         root.add_typer(group, name=verb)
     return {verb: list(by_app) for verb, by_app in verbs.items()}
 

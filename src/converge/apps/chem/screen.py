@@ -247,8 +247,6 @@ def lowest_conformers_sdf(frames: Sequence[tuple]) -> str:
     from rdkit import Chem
     from rdkit.Geometry import Point3D
 
-    from .smiles import embed_conformers as _unused  # noqa: F401  (rdkit is importable)
-
     text = io.StringIO()
     for record, geometries, energies in frames:
         if not record.smiles:

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping, Sequence
 import h5py
 import numpy as np
 
-from .strainfile import StrainFileError
+from .strainfile import StrainFileError, check_gwosc_layout
 
 SUFFIXES = (".hdf", ".hdf5", ".h5")
 RATE_TOLERANCE = 1e-9  # relative: sample rates of two files agree to this or are different rates
@@ -172,12 +172,7 @@ def _open_mlgwsc1(path: Path) -> StrainSet:
 def _gwosc_header(path: Path) -> tuple[str, float, int, float]:
     """(detector, GPS start, samples, sample rate) of a GWOSC file."""
     with h5py.File(path, "r") as f:
-        dset = f["strain/Strain"]
-        if "Xspacing" not in dset.attrs:
-            raise StrainFileError(f"{path}: strain/Strain has no 'Xspacing' attribute (seconds per sample)")
-        for key in ("meta/GPSstart", "meta/Duration"):
-            if key not in f:
-                raise StrainFileError(f"{path}: no '{key}' dataset; expected the GWOSC HDF5 layout")
+        dset = check_gwosc_layout(f, path)
         rate = _rate(float(dset.attrs["Xspacing"]), str(path))
         n, gps, duration = int(dset.shape[0]), float(f["meta/GPSstart"][()]), float(f["meta/Duration"][()])
         det = f["meta/Detector"][()] if "meta/Detector" in f else None

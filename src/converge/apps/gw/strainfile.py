@@ -46,12 +46,7 @@ def read_strain(path: str | Path) -> Strain:
     with f:
         if "strain/Strain" not in f:
             raise StrainFileError(f"{path}: no 'strain/Strain' dataset; expected the GWOSC HDF5 layout")
-        dset = f["strain/Strain"]
-        if "Xspacing" not in dset.attrs:
-            raise StrainFileError(f"{path}: strain/Strain has no 'Xspacing' attribute (seconds per sample)")
-        for key in ("meta/GPSstart", "meta/Duration"):
-            if key not in f:
-                raise StrainFileError(f"{path}: no '{key}' dataset; expected the GWOSC HDF5 layout")
+        dset = check_gwosc_layout(f, path)
         data = np.asarray(dset[()], dtype=np.float64)
         spacing = float(dset.attrs["Xspacing"])
         gps = float(f["meta/GPSstart"][()])
@@ -86,6 +81,18 @@ def write_strain(path: str | Path, strain: Strain) -> None:
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def check_gwosc_layout(f: h5py.File, path: Path) -> h5py.Dataset:
+    """The ``strain/Strain`` dataset of an open GWOSC file, once its ``Xspacing`` attribute and its
+    ``meta/GPSstart`` and ``meta/Duration`` datasets are known to be there; else a StrainFileError naming the gap."""
+    dset = f["strain/Strain"]
+    if "Xspacing" not in dset.attrs:
+        raise StrainFileError(f"{path}: strain/Strain has no 'Xspacing' attribute (seconds per sample)")
+    for key in ("meta/GPSstart", "meta/Duration"):
+        if key not in f:
+            raise StrainFileError(f"{path}: no '{key}' dataset; expected the GWOSC HDF5 layout")
+    return dset
 
 
 def injection_snr(signal: np.ndarray, psd: np.ndarray, sample_rate: float) -> float:
