@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: demo test install browser clean
+.PHONY: demo test install browser clean peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ browser:
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+# The serving peers' environments (Triton from Debian's /usr/bin/python3.11, MLServer, LitServe), made once
+# under runs/peer-envs before `converge bench serve RUN --peers triton,mlserver,litserve` needs them.
+peers: $(STAMP)
+	$(BIN)/python -m converge.bench.peer_envs triton mlserver litserve
 
 clean:
 	rm -rf $(VENV) demo-output

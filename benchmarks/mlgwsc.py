@@ -21,6 +21,9 @@ cached piece by piece), so an interrupted run picks up where it stopped:
 7. compute: seconds per strain second of both foreground searches on the same ``--compute-seconds`` of data,
    back to back and alternating, the matched filter from an empty cache (whitening included), one thread.
 
+``--only cnn`` and ``--only matched_filter`` run stages 1-4 and 6 for one search, so that two invocations share
+the two cores; a last invocation without ``--only`` reuses their files, evaluates and times both side by side.
+
 Writes ``benchmarks/results/mlgwsc.json``, ``mlgwsc_sensitivity.png`` and ``mlgwsc_found_missed.png``.
 """
 from __future__ import annotations
@@ -56,6 +59,7 @@ from converge.simulate.runner import SimulateConfig, run_ensemble
 from converge.train.loop import TrainConfig, train
 
 RESULTS = Path(__file__).parent / "results"
+METHODS = ("cnn", "matched_filter")
 
 
 def log(text: str) -> None:
@@ -63,11 +67,21 @@ def log(text: str) -> None:
 
 
 def generate(work: Path, name: str, seed: int, duration: int) -> dict[str, Path]:
-    """The challenge's generator (unchanged) into ``work/name_{inj,fg,bg}.hdf``; reused when complete."""
+    """The challenge's generator (unchanged) into ``work/name_{inj,fg,bg}.hdf``; reused when complete. A lock
+    on ``work`` makes a second invocation (``--only``) wait for the first one's files instead of writing them
+    too."""
+    import fcntl
+
     files = {k: work / f"{name}_{k}.hdf" for k in ("inj", "fg", "bg")}
     done = work / f".{name}.done"
-    if done.is_file():
-        return files
+    with open(work / ".generate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            _generate(files, done, seed, duration)
+    return files
+
+
+def _generate(files: dict[str, Path], done: Path, seed: int, duration: int) -> None:
     for f in files.values():
         f.unlink(missing_ok=True)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -76,7 +90,6 @@ def generate(work: Path, name: str, seed: int, duration: int) -> dict[str, Path]
                     "-b", files["bg"], "-s", str(seed), "--duration", str(duration)],
                    cwd=challenge_folder(), env=env, check=True)
     done.write_text(json.dumps({"seed": seed, "duration": duration, "seconds": time.perf_counter() - t0}))
-    return files
 
 
 def train_cnn(work: Path, args) -> Path:
@@ -96,11 +109,11 @@ def train_cnn(work: Path, args) -> Path:
 
 
 def run_searches(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], tag: str, slides: int,
-                 step: float, timing: dict[str, Path | None], group: int = 40) -> dict[str, dict]:
+                 step: float, timing: dict[str, Path | None], methods=METHODS, group: int = 40) -> dict[str, dict]:
     """Both searches on ``files``' foreground and on its background with ``slides`` slides, run in groups of
     ``group`` slides (each group's file is kept, so an interrupted background resumes at its last group)."""
     out = {}
-    for method in ("cnn", "matched_filter"):
+    for method in methods:
         paths = {"fg": work / f"{tag}_{method}_fg.hdf", "bg": work / f"{tag}_{method}_bg.hdf"}
         summaries = {}
         jobs = [("fg", paths["fg"], 0, 1)] + [
@@ -129,17 +142,27 @@ def run_searches(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], t
     return out
 
 
-def calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path]) -> dict[str, dict]:
-    """Timing bias and tolerance of each search from the calibration foreground's injections."""
+def calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], methods=METHODS) -> dict[str, dict]:
+    """Timing bias and tolerance of each search from the calibration foreground's injections (each method's
+    record is kept in ``timing_<method>.done.json`` and reused)."""
+    done = {m: work / f"timing_{m}.done.json" for m in methods}
+    todo = [m for m in methods if not done[m].is_file()]
+    records = _calibrate(work, run, cfg, files, todo) if todo else {}
+    for m in todo:
+        done[m].write_text(json.dumps(records[m], indent=1))
+    return {m: json.loads(done[m].read_text()) for m in methods}
+
+
+def _calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], methods) -> dict[str, dict]:
     import h5py
 
     with h5py.File(files["inj"]) as f:
         tc = f["tc"][()]
     fg = open_strain(files["fg"])
     tc = tc[(tc > fg.segments[0].start + 30) & (tc < fg.segments[-1].end - 30)]
-    if (run / TIMING_FILE).is_file():  # searches made with a record would fold it in: start from none
+    if "cnn" in methods and (run / TIMING_FILE).is_file():  # a search made with a record folds it in
         (run / TIMING_FILE).unlink()
-    searches = run_searches(work, run, cfg, files, "calibration", 0, 2.0, {})
+    searches = run_searches(work, run, cfg, files, "calibration", 0, 2.0, {}, methods)
     records = {}
     for method, s in searches.items():
         events, attrs = read_events(s["paths"]["fg"])
@@ -153,20 +176,21 @@ def calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path]) -> d
         except ValueError as err:  # too few found: the search keeps its default tolerance, and says so
             record = {"measured": False, "reason": str(err), "var_s": float(attrs["var_s"]), "offset_s": 0.0}
         records[method] = record
-    if records["cnn"]["measured"]:
+    if records.get("cnn", {}).get("measured"):
         write_timing(run, records["cnn"])
-    if records["matched_filter"]["measured"]:
+    if records.get("matched_filter", {}).get("measured"):
         write_timing(work / "mf_timing.json", records["matched_filter"])
     return records
 
 
-def latency(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, speed: float) -> dict[str, dict]:
+def latency(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, speed: float,
+            methods=METHODS) -> dict[str, dict]:
     """Event latencies in --follow mode, 4 s GWOSC files landing ``speed`` times faster than real time (one search
     at a time; the summary's busy_fraction < 1 shows the search kept up, so that the landing rate does not enter
     the latency)."""
     out = {}
     data = open_strain(fg)
-    for method in ("cnn", "matched_filter"):
+    for method in methods:
         target = work / f"follow_{method}.hdf"
         if target.with_suffix(".json").is_file():
             out[method] = json.loads(target.with_suffix(".json").read_text())
@@ -248,13 +272,17 @@ def main() -> None:
     ap.add_argument("--calibration-seed", type=int, default=20231)
     ap.add_argument("--calibration-duration", type=int, default=3600)
     ap.add_argument("--train-seed", type=int, default=1)
-    ap.add_argument("--train-samples", type=int, default=20000)
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--train-samples", type=int, default=60000)
+    ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--follow-seconds", type=float, default=1200.0)
     ap.add_argument("--follow-speed", type=float, default=4.0, help="landing rate over real time")
     ap.add_argument("--compute-seconds", type=float, default=600.0, help="stretch both searches are timed on")
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--only", choices=METHODS, help="run the stages of one search only and stop before evaluating "
+                    "(two invocations with --only cnn and --only matched_filter share the two cores; a last one "
+                    "without it evaluates, times both side by side and writes the results)")
     args = ap.parse_args()
+    methods = (args.only,) if args.only else METHODS
     torch.set_num_threads(1)
     work = args.work.resolve()  # the generator runs in the challenge's folder
     work.mkdir(parents=True, exist_ok=True)
@@ -262,28 +290,28 @@ def main() -> None:
     cfg = GWConfig.mlgwsc1(1)
 
     t = time.perf_counter()
+    log("train: the coherent two-detector CNN")
+    run = train_cnn(work, args) if "cnn" in methods else work / "run"
+    stages["train"] = time.perf_counter() - t
+    t = time.perf_counter()
     log("data: the challenge's generator")
     test = generate(work, "test", args.seed, args.duration)
     calib = generate(work, "calibration", args.calibration_seed, args.calibration_duration)
     stages["data"] = time.perf_counter() - t
     t = time.perf_counter()
-    log("train: the coherent two-detector CNN")
-    run = train_cnn(work, args)
-    stages["train"] = time.perf_counter() - t
-    t = time.perf_counter()
     log("calibrate: timing on the calibration injections")
-    timing_path = work / "timing.done.json"
-    if timing_path.is_file():
-        records = json.loads(timing_path.read_text())
-    else:
-        records = calibrate(work, run, cfg, calib)
-        timing_path.write_text(json.dumps(records, indent=1))
+    records = calibrate(work, run, cfg, calib, methods)
     stages["calibrate"] = time.perf_counter() - t
     t = time.perf_counter()
     measured = {"cnn": run / TIMING_FILE, "mf": work / "mf_timing.json"}
     searches = run_searches(work, run, cfg, test, "test", args.slides, args.slide_step,
-                            {k: v for k, v in measured.items() if v.is_file()})
+                            {k: v for k, v in measured.items() if v.is_file()}, methods)
     stages["search"] = time.perf_counter() - t
+    if args.only:
+        follow = latency(work, run, cfg, test["fg"], args.follow_seconds, args.follow_speed, methods)
+        accumulate_stages(work, {f"{name} ({args.only})": v for name, v in stages.items()})
+        log(f"{args.only}: searches and latency done ({follow[args.only]['latency_ms']}); run again without --only")
+        return
     t = time.perf_counter()
     results, found = {}, {}
     background_s = min(s["summaries"]["bg"]["background_s"] for s in searches.values())

@@ -327,6 +327,10 @@ def serve_cmd(
                                             "server's GIL (1.4-1.5x the requests/s under load here); "
                                             "--no-model-process runs it on a thread (about 0.5 ms less for a lone "
                                             "client)."),
+    instances: int = typer.Option(1, help="Model processes per model, each request to the least busy one (Triton's "
+                                          "instance_group count). On a CPU give each one torch thread "
+                                          "(OMP_NUM_THREADS=1): two on 2 cores let one batch run while the next "
+                                          "forms."),
     fallback: Optional[str] = typer.Option(None, help="Answer untrusted samples with the app's simulator "
                                                       "('simulator'); without it they are refused (HTTP 422)."),
     max_uncertainty: Optional[float] = typer.Option(None, help="Untrusted above this ensemble uncertainty, in the "
@@ -357,7 +361,7 @@ def serve_cmd(
     try:
         serve(runs, host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
               max_queue_size=max_queue_size, token=token, insecure=insecure, device=device, access_log=access_log,
-              model_process=model_process, trust=trust)
+              model_process=model_process, instances=instances, trust=trust)
     except (ServeConfigError, ModelLoadError, TrustSetupError) as err:
         _fail(str(err))
 

@@ -368,6 +368,10 @@ def test_a_ready_peer_env_is_reused_and_failed_steps_say_why(tmp_path):
         run_checked([sys.executable, "-c", "print('boom'); raise SystemExit(3)"])
     with pytest.raises(ValueError, match="peer 'tgi': choose from"):
         ensure_peer_env("tgi", tmp_path)
+    (env / READY_MARKER).write_text(json.dumps({"wanted": wanted, "versions": {}}))
+    # `make peers`: a ready one is reported, an unknown one fails the command and says why
+    assert peer_envs.main(["mlserver", "--root", str(tmp_path)]) == 0
+    assert peer_envs.main(["mlserver", "tgi", "--root", str(tmp_path)]) == 1
 
 
 def test_triton_env_is_made_from_debians_python_and_says_how_to_get_it(tmp_path, monkeypatch):

@@ -189,9 +189,15 @@ def test_trust_and_peer_tables_carry_the_headline_numbers():
     assert curve.header == ["strategy", "8", "16"] and curve.rows[0][0] == "active" and len(curve.rows) == 2
     assert spread.rows == [["in_distribution", "0.157", "1%", "2%"]]
     assert target.rows == [["0.41", "7.2", "45%", "yes"]]
+    ours = {"format": "binary", "throughput": 3400.0, "p99_ms": 40.0, "gain": 0.97, "meets_target": False,
+            "settings": {"max_batch_size": 64, "instances": 2}}
     rep = {"precision": "bf16", "device": "cpu", "model_only_best": {"samples_per_s": 6000.0, "batch_size": 64},
-           "peers": {"mlserver": {}}, "peer": "mlserver", "peer_throughput_at_equal_p99": 977.0,
-           "gain_vs_peer_at_equal_p99": 1.89}
+           "peers": {"triton": {"format": "binary", "throughput_best": 3510.0, "p99_ms_best": 47.4,
+                                "settings_best": {"max_batch_size": 128, "workers": 2}, "ours_at_equal_p99": ours},
+                     "mlserver": {"peer": "mlserver", "error": "its environment failed"}}}
     tables = serve_tables({"gw": rep})
-    assert len(tables) == 2 and tables[1].rows[0][:2] == ["gw", "mlserver"]
+    assert len(tables) == 2 and [row[:2] for row in tables[1].rows] == [["gw", "triton"], ["gw", "mlserver"]]
+    assert tables[1].rows[0][3] == "max_batch_size 128, workers 2" and tables[1].rows[0][-3:] == [
+        "max_batch_size 64, instances 2", "0.97", "no"]
+    assert "its environment failed" in tables[1].rows[1][4]
     assert len(serve_tables({"gw": {k: v for k, v in rep.items() if k != "peers"}})) == 1

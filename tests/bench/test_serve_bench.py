@@ -133,8 +133,12 @@ def test_run_serve_benchmark_end_to_end(tiny_run, tmp_path):
                            ceiling_batches=(1, 4), ceiling_min_time_s=0.05)
     report = run_serve_benchmark(tiny_run, cfg, log_dir=tmp_path)
     assert [(r["mode"], r["format"], r["concurrency"]) for r in report["sweep"]] == [
-        ("batched", "binary", 2), ("unbatched", "binary", 2), ("unbatched_thread", "binary", 1)]
+        ("batched", "binary", 2), ("batched_2_instances", "binary", 2), ("unbatched", "binary", 2),
+        ("unbatched_thread", "binary", 1)]
     assert all(r["errors"] == 0 and r["requests"] > 0 for r in report["sweep"])
+    assert report["mode_batched_best"] in ("batched", "batched_2_instances")
+    assert report["settings_batched_best"]["instances"] == (2 if report["mode_batched_best"].endswith("instances") else 1)
+    assert (tmp_path / "serve-batched_2_instances.log").read_text().count("/infer") > 0
     assert report["model_only_single"] > 0 and report["model_only_best"]["batch_size"] in (1, 4)
     assert report["throughput_batched_best"] > 0 and report["p99_ms_batched_best"] > 0
     # one lone client, measured with the model on a thread only (concurrency 1 was not swept otherwise)
@@ -156,12 +160,12 @@ def test_summary_picks_the_fastest_clean_batched_point():
     sweep = [_row("unbatched", 1, 100.0), _row("unbatched", 8, 150.0), _row("batched", 1, 110.0),
              _row("batched", 8, 400.0), _row("batched", 64, 900.0, errors=3), _row("batched", 8, 50.0, fmt="json")]
     ceiling = [{"batch_size": 1, "samples_per_s": 200.0}, {"batch_size": 64, "samples_per_s": 1000.0}]
-    s = summarize(sweep, ceiling, "binary", "batched")
+    s = summarize(sweep, ceiling, "binary", ("batched",))
     assert s["throughput_single_unbatched"] == 100.0 and s["concurrency_batched_best"] == 8  # 64 had errors
     assert s["throughput_batched_best"] == 400.0 and s["gain_vs_single_unbatched"] == 4.0
     assert s["fraction_of_model_best"] == 0.4 and s["p99_ms_batched_best"] == 2.0
     # the gain is taken against the fastest lone unbatched client, whichever server set-up gave it
-    s = summarize([*sweep, _row("unbatched_thread", 1, 125.0)], ceiling, "binary", "batched")
+    s = summarize([*sweep, _row("unbatched_thread", 1, 125.0)], ceiling, "binary", ("batched",))
     assert s["mode_single_unbatched"] == "unbatched_thread" and s["gain_vs_single_unbatched"] == 3.2
 
 

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from converge.serve import BatchConfig, ServerSettings, create_app
-from converge.serve.batcher import BatchFailed, ShuttingDown
-from converge.serve.worker import ModelProcessError, ProcessBatcher
+from converge.serve.batcher import BatchFailed, QueueFull, ShuttingDown
+from converge.serve.worker import ModelInstances, ModelProcessError, ProcessBatcher
 
 CRASH = -999.0  # a sample starting with this kills the worker process mid-batch
 
@@ -158,3 +158,64 @@ def test_app_serves_through_model_processes_and_stops_them(models):
 def test_models_without_a_loader_stay_in_process(known):
     app = create_app({"linear": known.model()}, ServerSettings(BatchConfig(model_process=True)))
     assert not isinstance(app.state.batchers["linear"], ProcessBatcher)
+
+
+def test_instances_answer_as_one_process_and_share_the_load(models):
+    model, records = models.make(), []
+    config = BatchConfig(max_batch_size=8, model_process=True, instances=2)
+    with ModelInstances(model.loader, config, model.name, on_batch=records.append) as pool:
+        assert len(set(pool.pids)) == 2 and pool.running
+        slow = pool.submit({"x": batch(1, first=-2.0)})  # holds one child for 0.5 s
+        time.sleep(0.1)
+        t = time.monotonic()
+        quick = pool.infer({"x": batch(3)})  # the other child answers meanwhile
+        assert time.monotonic() - t < 0.4
+        np.testing.assert_array_equal(quick["y"], model.predict({"x": batch(3)})["y"])
+        slow.result(10)
+        futures = [pool.submit({"x": batch(2, first=i)}) for i in range(6)]
+        for i, f in enumerate(futures):
+            np.testing.assert_array_equal(f.result(10)["y"], model.predict({"x": batch(2, first=i)})["y"])
+        assert pool.queued_samples == 0
+    assert sum(r.samples for r in records) == 1 + 3 + 12
+    assert not pool.running and not any(m.alive for m in pool.members)
+
+
+def test_instances_bound_the_queue_as_one_model_and_survive_a_crash(models):
+    model = models.make()
+    config = BatchConfig(max_batch_size=2, max_queue_size=4, model_process=True, instances=2)
+    with ModelInstances(model.loader, config, model.name) as pool:
+        held = [pool.submit({"x": batch(1, first=-2.0)}) for _ in range(4)]  # 4 samples: the model's limit
+        with pytest.raises(QueueFull, match=r"queue full \(4 of 4"):
+            pool.submit({"x": batch(1)})
+        for f in held:
+            f.result(10)
+        crash = pool.submit({"x": batch(2, first=CRASH)})
+        with pytest.raises(BatchFailed, match="worker process died"):
+            crash.result(60)
+        np.testing.assert_array_equal(pool.infer({"x": batch(2)})["y"], model.predict({"x": batch(2)})["y"])
+        assert pool.restarts == 1
+    with pytest.raises(ShuttingDown):
+        pool.submit({"x": batch(1)})
+
+
+def test_instances_need_model_processes():
+    with pytest.raises(ValueError, match="instances=2: several instances run in processes of their own"):
+        BatchConfig(instances=2, model_process=False)
+    with pytest.raises(ValueError, match="instances=0: must be >= 1"):
+        BatchConfig(instances=0, model_process=True)
+
+
+def test_app_serves_through_instances(models):
+    model = models.make()
+    app = create_app({"crashy": model}, ServerSettings(BatchConfig(max_batch_size=8, model_process=True,
+                                                                   instances=2)))
+    x = batch(3)
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 4], "data": x.reshape(-1).tolist()}]}
+    with TestClient(app) as c:
+        pool = app.state.batchers["crashy"]
+        assert isinstance(pool, ModelInstances) and pool.running
+        for _ in range(4):
+            r = c.post("/v2/models/crashy/infer", json=doc)
+            assert r.status_code == 200, r.text
+        assert 'converge_inference_executions_total{model="crashy"} 4.0' in c.get("/metrics").text
+    assert not pool.running

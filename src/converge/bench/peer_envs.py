@@ -130,3 +130,28 @@ def ensure_peer_env(peer: str, root: str | Path = DEFAULT_ENV_ROOT, log=lambda m
 def peer_versions(python: Path) -> dict[str, str]:
     """What :func:`ensure_peer_env` installed (the peer, torch, fastapi, numpy; uvloop for MLServer)."""
     return json.loads((python.parent.parent / READY_MARKER).read_text())["versions"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m converge.bench.peer_envs [PEER ...]``: make (or check) the peers' environments before a
+    benchmark needs them (``make peers``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("peers", nargs="*", default=list(PEERS), help=f"of {', '.join(PEERS)} (default: all)")
+    parser.add_argument("--root", default=str(DEFAULT_ENV_ROOT), help="where the environments live")
+    args = parser.parse_args(argv)
+    failed = []
+    for peer in args.peers:
+        try:
+            check_peer(peer)
+            ensure_peer_env(peer, args.root)
+            print(f"{peer}: ready in {Path(args.root) / peer}")
+        except (ValueError, RuntimeError, OSError) as err:
+            print(f"{peer}: {err}", file=sys.stderr)
+            failed.append(peer)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

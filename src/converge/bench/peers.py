@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -309,30 +309,31 @@ def _run_best(run: Mapping[str, Any]) -> dict:
             "p99_ms_best": best["p99_ms"]}
 
 
-def throughput_at_p99(sweep: Sequence[Mapping[str, Any]], p99_ms: float, mode: str = "batched",
+def throughput_at_p99(sweep: Sequence[Mapping[str, Any]], p99_ms: float, modes: Collection[str] = ("batched",),
                       fmt: str = "json") -> Mapping[str, Any] | None:
-    """Our fastest clean point of ``mode`` and ``fmt`` whose p99 is at most ``p99_ms``; None when none is."""
-    fits = [r for r in sweep if r["mode"] == mode and r["format"] == fmt and r["errors"] == 0 and r["requests"] > 0
+    """Our fastest clean point of any of ``modes`` in ``fmt`` whose p99 is at most ``p99_ms``; None when none is."""
+    fits = [r for r in sweep if r["mode"] in modes and r["format"] == fmt and r["errors"] == 0 and r["requests"] > 0
             and r["p99_ms"] is not None and r["p99_ms"] <= p99_ms]
     return max(fits, key=lambda r: r["throughput_sps"], default=None)
 
 
 def ours_at_peer_best(sweep: Sequence[Mapping[str, Any]], name: str, peer: Mapping[str, Any],
-                      mode: str = "batched") -> dict:
+                      modes: Collection[str] = ("batched",)) -> dict:
     """Our best throughput in the peer's format at a p99 no worse than the peer's at its best, and the gain over
     the peer's best throughput (None when no point of ours is as quick), beside the target."""
     fmt = peer.get("format", "json")
-    ours = throughput_at_p99(sweep, peer["p99_ms_best"], mode, fmt)
+    ours = throughput_at_p99(sweep, peer["p99_ms_best"], modes, fmt)
     gain = ours["throughput_sps"] / peer["throughput_best"] if ours is not None else None
     target = GAIN_TARGETS.get(name, 1.3)
     found = ours if ours is not None else {}
     return {"format": fmt, "throughput": found.get("throughput_sps"), "p99_ms": found.get("p99_ms"),
-            "concurrency": found.get("concurrency"), "gain": gain, "gain_target": target,
+            "concurrency": found.get("concurrency"), "mode": found.get("mode"), "settings": found.get("settings"),
+            "gain": gain, "gain_target": target,
             "meets_target": gain is not None and gain >= target}
 
 
 def compare_with_peers(sweep: Sequence[Mapping[str, Any]], peers: Mapping[str, Mapping[str, Any]],
-                       mode: str = "batched") -> dict:
+                       modes: Collection[str] = ("batched",)) -> dict:
     """Ours beside every measured peer (:func:`ours_at_peer_best`, by name under ``vs_peers``), and the peer
     hardest to beat, the one of lowest gain (no point of ours as quick counts as 0), under the summary keys:
     ``peer``, ``peer_format``, ``peer_throughput_at_equal_p99`` (its best), ``peer_p99_ms_best``,
@@ -340,7 +341,7 @@ def compare_with_peers(sweep: Sequence[Mapping[str, Any]], peers: Mapping[str, M
     measured = {k: p for k, p in peers.items() if p.get("throughput_best") and p.get("p99_ms_best") is not None}
     if not measured:
         return {"peer": None, "peer_throughput_at_equal_p99": None, "gain_vs_peer_at_equal_p99": None, "vs_peers": {}}
-    vs = {name: ours_at_peer_best(sweep, name, p, mode) for name, p in measured.items()}
+    vs = {name: ours_at_peer_best(sweep, name, p, modes) for name, p in measured.items()}
     name = min(vs, key=lambda n: vs[n]["gain"] or 0.0)
     peer, ours = measured[name], vs[name]
     return {"peer": name, "peer_format": ours["format"], "peer_throughput_at_equal_p99": peer["throughput_best"],

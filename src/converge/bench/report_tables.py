@@ -126,14 +126,25 @@ def serve_tables(r: Mapping[str, Any]) -> list[Table]:
     out = [Table("converge serve: samples/s", ["app", "precision", "device", "model alone, best",
                                                "1 client, unbatched", "batched, best", "at concurrency",
                                                "p99 ms there", "gain", "of model alone"], rows)]
-    peers = [[app, rep.get("peer"), fmt(rep.get("peer_throughput_at_equal_p99")), fmt(rep.get("peer_p99_ms_best")),
-              fmt(rep.get("throughput_at_peer_p99")), fmt(rep.get("p99_ms_at_peer_p99")),
-              fmt(rep.get("gain_vs_peer_at_equal_p99"))] for app, rep in r.items() if rep.get("peers")]
+    peers = [peer_row(app, name, peer) for app, rep in r.items() for name, peer in (rep.get("peers") or {}).items()]
     if peers:
-        out.append(Table("against the better peer over JSON, at equal or lower p99 (target gain 1.3)",
-                         ["app", "peer", "peer best samples/s", "its p99 ms", "converge samples/s", "p99 ms",
-                          "gain"], peers))
+        out.append(Table("each peer at its best settings beside ours in its format at equal or lower p99 (targets: "
+                         "1.0x Triton, 1.3x the others)",
+                         ["app", "peer", "format", "its settings", "peer samples/s", "its p99 ms",
+                          "converge samples/s", "p99 ms", "our settings", "gain", "target met"], peers))
     return out
+
+
+def peer_row(app: str, name: str, peer: Mapping[str, Any]) -> list[str]:
+    """One peer of ``serve.json`` beside ours (``ours_at_equal_p99``), or the reason it is missing."""
+    if peer.get("error"):
+        return [app, name, "\u2013", "\u2013", f"not measured: {peer['error']}", *["\u2013"] * 6]
+    ours = peer.get("ours_at_equal_p99") or {}
+    settings = lambda d: ", ".join(f"{k} {v}" for k, v in (d or {}).items()) or "\u2013"  # noqa: E731
+    met = ours.get("meets_target")
+    return [app, name, peer.get("format", "\u2013"), settings(peer.get("settings_best")), fmt(peer.get("throughput_best")),
+            fmt(peer.get("p99_ms_best")), fmt(ours.get("throughput")), fmt(ours.get("p99_ms")),
+            settings(ours.get("settings")), fmt(ours.get("gain")), "\u2013" if met is None else ("yes" if met else "no")]
 
 
 def surrogate_tables(r: Mapping[str, Any]) -> list[Table]:

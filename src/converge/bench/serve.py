@@ -67,12 +67,25 @@ class BatchingMode:
     max_batch_size: int
     model_process: bool = True  # `converge serve`'s default; False: --no-model-process (the model on a thread)
     concurrencies: tuple[int, ...] | None = None
+    instances: int = 1  # --instances: model processes
+
+    @property
+    def batched(self) -> bool:
+        return self.max_batch_size > 1
+
+    @property
+    def settings(self) -> dict:
+        """The `converge serve` options of this set-up."""
+        return {"max_batch_size": self.max_batch_size, "max_queue_delay_us": 0, "model_process": self.model_process,
+                "instances": self.instances}
 
 
 # One unbatched client is also measured with the model on a server thread, where a lone request is ~0.5 ms
 # quicker: the batching gain is taken against the faster of the two, never against a slowed baseline.
-MODES = (BatchingMode("batched", 64), BatchingMode("unbatched", 1),
-         BatchingMode("unbatched_thread", 1, model_process=False, concurrencies=(1,)))
+# Batched, ours is also swept with two model processes (as Triton's two-instance group): each peer is set
+# beside our best over these set-ups, named in the results.
+MODES = (BatchingMode("batched", 64), BatchingMode("batched_2_instances", 64, instances=2),
+         BatchingMode("unbatched", 1), BatchingMode("unbatched_thread", 1, model_process=False, concurrencies=(1,)))
 
 
 @dataclass(frozen=True)
@@ -135,7 +148,7 @@ class ServeBenchConfig:
         chosen = parse_peers(peers)
         return cls(concurrencies=parse_counts(concurrency), duration_s=duration_s, warmup_s=warmup_s,
                    formats=tuple(f.strip() for f in formats.split(",")), device=device,
-                   modes=(replace(MODES[0], max_batch_size=max_batch_size), *MODES[1:]),
+                   modes=tuple(replace(m, max_batch_size=max_batch_size) if m.batched else m for m in MODES),
                    peers=chosen, peer_grid=parse_peer_grid(peer_grid, chosen, max_batch_size))
 
 
@@ -195,24 +208,27 @@ def sweep_server(load: LoadProcess, server: ServerProcess, samples: list[dict[st
             samples0, calls0 = server.counters()
             result = load.run(target, concurrency, cfg.duration_s, cfg.warmup_s, cfg.timeout_s)
             samples1, calls1 = server.counters()
-            rows.append({"mode": mode.name, "max_batch_size": mode.max_batch_size, "format": fmt, **result.as_dict(),
+            rows.append({"mode": mode.name, "max_batch_size": mode.max_batch_size, "settings": mode.settings,
+                         "format": fmt, **result.as_dict(),
                          "mean_batch_size": (samples1 - samples0) / max(calls1 - calls0, 1)})
     return rows
 
 
 # -- the report ------------------------------------------------------------------------------------------------------
-def summarize(sweep: Sequence[dict], ceiling: Sequence[dict], fmt: str, batched: str) -> dict:
-    """The headline numbers of one format; the best batched point is the fastest without errors."""
+def summarize(sweep: Sequence[dict], ceiling: Sequence[dict], fmt: str, batched: Sequence[str]) -> dict:
+    """The headline numbers of one format; the best batched point is the fastest without errors over the
+    ``batched`` modes, named under ``mode_batched_best``."""
     singles = [r for r in sweep if r["max_batch_size"] == 1 and r["format"] == fmt and r["concurrency"] == 1]
     single = max(singles, key=lambda r: r["throughput_sps"], default=None)  # the fastest unbatched set-up
-    best = fastest_clean([r for r in sweep if r["mode"] == batched and r["format"] == fmt])
+    best = fastest_clean([r for r in sweep if r["mode"] in batched and r["format"] == fmt])
     ceiling_best = max(ceiling, key=lambda r: r["samples_per_s"])
     out: dict[str, Any] = {"format": fmt}
     if single is not None:
         out |= {"throughput_single_unbatched": single["throughput_sps"], "p99_ms_single_unbatched": single["p99_ms"],
                 "mode_single_unbatched": single["mode"]}
     if best is not None:
-        out |= {"throughput_batched_best": best["throughput_sps"], "concurrency_batched_best": best["concurrency"],
+        out |= {"throughput_batched_best": best["throughput_sps"], "mode_batched_best": best["mode"],
+                "settings_batched_best": best.get("settings"), "concurrency_batched_best": best["concurrency"],
                 "p99_ms_batched_best": best["p99_ms"], "mean_batch_size_batched_best": best["mean_batch_size"],
                 "fraction_of_model_best": best["throughput_sps"] / ceiling_best["samples_per_s"]}
     if single is not None and best is not None and single["throughput_sps"] > 0:
@@ -252,7 +268,8 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
         logs.mkdir(parents=True, exist_ok=True)
         for mode in cfg.modes:
             with ServerProcess(run_dir, config["app"], mode.max_batch_size, logs / f"serve-{mode.name}.log",
-                               cfg.device, cfg.startup_timeout_s, threads, mode.model_process) as server:
+                               cfg.device, cfg.startup_timeout_s, threads, mode.model_process,
+                               mode.instances) as server:
                 check_server(server.url, server.name, samples[0], outputs)
                 sweep += sweep_server(load, server, samples, cfg, mode)
         for peer in cfg.peers:
@@ -262,7 +279,7 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
             except PeerError as err:  # ours is measured: keep it, say why this peer is missing
                 print(f"error: {err}", file=sys.stderr)
                 peers[peer] = {"peer": peer, "error": str(err)}
-    batched = max(cfg.modes, key=lambda m: m.max_batch_size).name
+    batched = tuple(m.name for m in cfg.modes if m.batched) or (max(cfg.modes, key=lambda m: m.max_batch_size).name,)
     comparison = compare_with_peers(sweep, peers, batched) if cfg.peers else {}
     for peer, ours in comparison.pop("vs_peers", {}).items():
         peers[peer]["ours_at_equal_p99"] = ours

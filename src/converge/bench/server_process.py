@@ -35,10 +35,11 @@ class ServerProcess:
     """``converge serve NAME=RUN`` on a free 127.0.0.1 port, its output in ``log_path``; SIGINT drains it on exit."""
 
     def __init__(self, run_dir: Path, name: str, max_batch_size: int, log_path: Path, device: str = "cpu",
-                 startup_timeout_s: float = 180.0, threads: int = 1, model_process: bool = True) -> None:
+                 startup_timeout_s: float = 180.0, threads: int = 1, model_process: bool = True,
+                 instances: int = 1) -> None:
         self.run_dir, self.name, self.max_batch_size, self.log_path = Path(run_dir), name, max_batch_size, log_path
         self.device, self.startup_timeout_s, self.threads = device, startup_timeout_s, threads
-        self.model_process = model_process
+        self.model_process, self.instances = model_process, instances
         self.url = ""
         self._proc: subprocess.Popen | None = None
 
@@ -49,7 +50,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "converge", "serve", f"{self.name}={self.run_dir}", "--host", "127.0.0.1",
                "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us", "0",
-               "--device", self.device, "--model-process" if self.model_process else "--no-model-process"]
+               "--device", self.device, "--model-process" if self.model_process else "--no-model-process",
+               "--instances", str(self.instances)]
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})

@@ -39,7 +39,7 @@ from .fallback import SOURCE, FallbackFailed, FallbackTimeout, TrustConfig, Trus
 from .metrics import ServerMetrics
 from .protocol import HEADER_LENGTH, ValidationError, encode_infer_response, parse_infer_request
 from .registry import ServedModel
-from .worker import ProcessBatcher
+from .worker import ModelInstances, ProcessBatcher
 
 HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode("latin-1")  # as ASGI spells header names
 UNAUTHENTICATED = ("/v2/health/live", "/v2/health/ready")  # probes of orchestrators carry no token
@@ -252,10 +252,12 @@ class ServingApp(FastAPI):
 
 def model_batcher(model: ServedModel, config: BatchConfig, metrics: ServerMetrics) -> RequestQueue:
     """A model's batcher, not yet started: in a process of its own with ``config.model_process`` and a loader
-    (models built in memory have none), else a thread of this process."""
+    (models built in memory have none), in ``config.instances`` of them if more than one, else a thread of
+    this process."""
     if config.model_process and model.loader is not None:
-        return ProcessBatcher(model.loader, config, model.name, on_batch=metrics.batch_observer(model.name),
-                              start=False, threads=torch.get_num_threads())
+        kind = ModelInstances if config.instances > 1 else ProcessBatcher
+        return kind(model.loader, config, model.name, on_batch=metrics.batch_observer(model.name), start=False,
+                    threads=torch.get_num_threads())
     return Batcher(model.predict, config, model.name, on_batch=metrics.batch_observer(model.name), start=False)
 
 

@@ -56,6 +56,8 @@ class BatchConfig:
     timeout_s: float = 30.0  # per request, queue plus compute
     # queue, batch and run each model in a process of its own (converge.serve.worker), clear of the event loop's GIL
     model_process: bool = False
+    # model processes per model (Triton's instance_group count); each request goes to the least busy one
+    instances: int = 1
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -66,6 +68,11 @@ class BatchConfig:
             raise ValueError(f"max_queue_size={self.max_queue_size}: must be >= max_batch_size={self.max_batch_size}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s}: must be > 0 seconds")
+        if self.instances < 1:
+            raise ValueError(f"instances={self.instances}: must be >= 1")
+        if self.instances > 1 and not self.model_process:
+            raise ValueError(f"instances={self.instances}: several instances run in processes of their own; "
+                             "drop --no-model-process")
 
 
 @dataclass

@@ -92,7 +92,7 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
           max_queue_delay_us: int = 0, max_queue_size: int = 1024, token: str | None = None,
           insecure: bool = False, device: str = "cpu", timeout_s: float = 30.0,
           max_body_bytes: int = 64 * 2**20, log_level: str = "info", access_log: bool = True,
-          model_process: bool = True, trust: TrustConfig | None = None) -> None:
+          model_process: bool = True, instances: int = 1, trust: TrustConfig | None = None) -> None:
     """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues).
 
     ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, rendered and
@@ -100,13 +100,17 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
 
     ``model_process``: each model in a process of its own with its queue (:mod:`converge.serve.worker`);
     False: on a thread of the server, sharing its GIL.
+    ``instances``: model processes per model (:class:`~converge.serve.worker.ModelInstances`).
 
     ``trust``: the uncertainty gate and simulator fallback (:mod:`converge.serve.fallback`).
     """
     import uvicorn
 
     check_bind(host, token, insecure)
-    batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s, model_process)
+    try:
+        batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s, model_process, instances)
+    except ValueError as err:
+        raise ServeConfigError(str(err)) from None
     if model_process:  # its request and result threads wait for the GIL after each pipe call: not 5 ms each
         sys.setswitchinterval(min(sys.getswitchinterval(), MODEL_PROCESS_SWITCH_INTERVAL_S))
     logging.basicConfig(level=log_level.upper(), format="%(message)s")

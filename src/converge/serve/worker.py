@@ -401,3 +401,75 @@ class ProcessBatcher(RequestQueue):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ModelInstances(RequestQueue):
+    """``config.instances`` :class:`ProcessBatcher` children of one model, as Triton's ``instance_group``
+    ``count``: each request goes to the child holding the fewest samples, so that one batch runs while the
+    other forms (on a CPU, one torch thread per child: as many children as cores, less the server's share).
+
+    A child that dies is restarted by its own batcher and fails only its own batch; a full child passes the
+    request to the next, and the pool is full only when every child is."""
+
+    def __init__(self, loader: Callable, config: BatchConfig = BatchConfig(), name: str = "model",
+                 on_batch: Callable[[BatchRecord], None] | None = None, start: bool = True, threads: int = 1,
+                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        if config.instances < 2:
+            raise ValueError(f"instances={config.instances}: ModelInstances holds two or more (one: ProcessBatcher)")
+        self.config, self.name, self.clock = config, name, time.monotonic
+        self.members = [ProcessBatcher(loader, config, name, on_batch, start=False, threads=threads,
+                                       ready_timeout_s=ready_timeout_s) for _ in range(config.instances)]
+        self._turn = itertools.count()
+        if start:
+            self.start()
+
+    @property
+    def _queued_samples(self) -> int:
+        return sum(m.queued_samples for m in self.members)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [m.pid for m in self.members]
+
+    @property
+    def restarts(self) -> int:
+        return sum(m.restarts for m in self.members)
+
+    @property
+    def running(self) -> bool:
+        return any(m.running for m in self.members)
+
+    def start(self) -> None:
+        for member in self.members:
+            member.start()
+
+    def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
+        n = len(next(iter(inputs.values())))
+        if self._queued_samples + n > self.config.max_queue_size:  # the limit is the model's, not each child's
+            raise self._queue_full(self._queued_samples)
+        turn = next(self._turn)  # ties go round the children
+        order = sorted(range(len(self.members)),
+                       key=lambda i: (self.members[i].queued_samples, (i - turn) % len(self.members)))
+        for i in order:
+            if self.members[i].running:
+                try:
+                    return self.members[i]._enqueue(inputs, waiter)
+                except ShuttingDown:  # closed or broken between the check and the call: the next one
+                    continue
+        broken = next((m._broken for m in self.members if m._broken), None)
+        raise ShuttingDown(broken or f"model {self.name!r} is shutting down")
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Close every child, each finishing what it holds."""
+        threads = [threading.Thread(target=m.close, args=(timeout,)) for m in self.members]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def __enter__(self) -> "ModelInstances":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
