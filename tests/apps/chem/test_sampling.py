@@ -197,3 +197,53 @@ def test_dft_hessian_modes_of_water():
     # B3LYP/6-31G water: bend ~1620, stretches ~3620 and ~3780 cm^-1 (computed harmonic; loose window)
     bend, sym, asym = modes.frequencies_cm1
     assert 1500 < bend < 1750 and 3450 < sym < asym < 3950
+
+
+def _springs(positions):
+    """A toy potential of springs between every pair of atoms (rest length 1.2 Å): energy [E_h], forces
+    [E_h/Å] for a batch of geometries (B, n, 3)."""
+    d = positions[:, :, None] - positions[:, None]
+    r = np.linalg.norm(d, axis=-1) + np.eye(positions.shape[1])
+    stretch = np.where(np.eye(positions.shape[1], dtype=bool), 0.0, r - 1.2)
+    energy = 0.05 * (stretch ** 2).sum(axis=(1, 2)) / 2
+    forces = -0.1 * ((stretch / r)[..., None] * d).sum(axis=2)
+    return energy, forces
+
+
+def test_batched_bfgs_takes_each_geometrys_own_ase_path_and_asks_once_per_step():
+    from ase import Atoms
+    from ase.calculators.calculator import Calculator, all_changes
+    from ase.optimize import BFGS
+
+    from converge.apps.chem.sampling import optimize_geometries
+    from converge.units import hartree_per_angstrom_to_ev_per_angstrom, hartree_to_ev
+
+    class Springs(Calculator):
+        implemented_properties = ["energy", "forces"]
+
+        def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
+            super().calculate(atoms, properties, system_changes)
+            e, f = _springs(self.atoms.positions[None])
+            self.results = {"energy": hartree_to_ev(e[0]), "forces": hartree_per_angstrom_to_ev_per_angstrom(f[0])}
+
+    rng = np.random.default_rng(3)
+    starts = rng.normal(0, 0.8, (4, 5, 3))
+    batches = []
+
+    def batch(p):
+        batches.append(len(p))
+        return _springs(p)
+
+    final, energies, converged, calls = optimize_geometries(["H"] * 5, starts, batch, 0.01, 200)
+    assert converged.all() and calls == len(batches) and batches[0] == 4 and batches[-1] < 4  # finished ones drop
+    for start, end, energy in zip(starts, final, energies):
+        atoms = Atoms("H5", positions=start, calculator=Springs())
+        BFGS(atoms, logfile=None).run(fmax=0.01, steps=200)
+        np.testing.assert_allclose(end, atoms.positions, atol=1e-10)
+        assert energy == pytest.approx(_springs(end[None])[0][0], abs=1e-14)
+    # not converged within max_steps: the last geometry, its energy where it stopped, and the flag
+    final, energies, converged, calls = optimize_geometries(["H"] * 5, starts, _springs, 1e-9, 3)
+    assert not converged.any() and calls == 4
+    np.testing.assert_allclose(energies, _springs(final)[0], atol=1e-14)
+    with pytest.raises(ValueError, match=r"give \(B, 5, 3\) for 5 atoms"):
+        optimize_geometries(["H"] * 5, starts[0], _springs)

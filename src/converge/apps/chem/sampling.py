@@ -101,22 +101,60 @@ def optimize_geometry(
     """Minimum [Å] ``(n, 3)`` reached by ASE's BFGS from ``positions`` with ``energy_forces``;
     stops when the largest atomic force is below ``fmax_ev_per_angstrom``. Not there after
     ``max_steps``: a RuntimeError, or with ``strict=False`` the last geometry."""
+    def batch(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        energy, forces = energy_forces(stack[0])
+        return np.array([energy]), np.asarray(forces)[None]
+
+    final, _, converged, _ = optimize_geometries(symbols, np.asarray(positions)[None], batch, fmax_ev_per_angstrom,
+                                                 max_steps)
+    if not converged[0] and strict:
+        raise RuntimeError(f"geometry optimisation did not reach fmax={fmax_ev_per_angstrom} eV/Å in {max_steps} steps")
+    return final[0]
+
+
+BatchForcesFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # (B, n, 3) Å -> (B,) E_h, (B, n, 3) E_h/Å
+
+
+def optimize_geometries(
+    symbols: Sequence[str], positions: np.ndarray, energy_forces: BatchForcesFn,
+    fmax_ev_per_angstrom: float = XTB_FMAX_EV_PER_ANGSTROM, max_steps: int = 1000,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """ASE's BFGS from each of ``positions`` ``(B, n, 3)`` [Å] of one molecule, all stepped together, so that
+    every step asks ``energy_forces`` once for the batch of geometries still moving (a network answers a batch
+    in about the time of one geometry). Each optimiser is ASE's own, fed the forces of its geometry, so each
+    path is the one ``BFGS(atoms).run(fmax, steps)`` takes. Returns the final geometries ``(B, n, 3)``, their
+    energies ``(B,)`` [E_h], whether each reached ``fmax`` within ``max_steps``, and the number of calls."""
     from ase import Atoms
-    from ase.calculators.calculator import Calculator, all_changes
+    from ase.calculators.singlepoint import SinglePointCalculator
     from ase.optimize import BFGS
 
-    class _Adaptor(Calculator):
-        implemented_properties = ["energy", "forces"]
-
-        def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
-            super().calculate(atoms, properties, system_changes)
-            energy, forces = energy_forces(self.atoms.get_positions())
-            self.results = {"energy": hartree_to_ev(energy), "forces": hartree_per_angstrom_to_ev_per_angstrom(forces)}
-
-    atoms = Atoms(symbols=list(symbols), positions=positions, calculator=_Adaptor())
-    if not BFGS(atoms, logfile=None).run(fmax=fmax_ev_per_angstrom, steps=max_steps) and strict:
-        raise RuntimeError(f"geometry optimisation did not reach fmax={fmax_ev_per_angstrom} eV/Å in {max_steps} steps")
-    return atoms.get_positions()
+    positions = np.array(positions, dtype=np.float64)
+    if positions.ndim != 3 or positions.shape[1:] != (len(symbols), 3):
+        raise ValueError(f"positions of shape {positions.shape}: give (B, {len(symbols)}, 3) for {len(symbols)} atoms")
+    atoms = [Atoms(symbols=list(symbols), positions=p) for p in positions]
+    optimizers = [BFGS(a, logfile=None) for a in atoms]
+    for opt in optimizers:
+        opt.fmax = fmax_ev_per_angstrom  # what run(fmax=...) sets before its first check
+    energies = np.full(len(atoms), np.nan)
+    converged = np.zeros(len(atoms), dtype=bool)
+    moving, calls = list(range(len(atoms))), 0
+    for step in range(max_steps + 1):
+        energy, forces = energy_forces(np.stack([atoms[i].positions for i in moving]))
+        calls += 1
+        still = []
+        for k, i in enumerate(moving):
+            f_ev = hartree_per_angstrom_to_ev_per_angstrom(np.asarray(forces[k]))
+            atoms[i].calc = SinglePointCalculator(atoms[i], energy=hartree_to_ev(float(energy[k])), forces=f_ev)
+            energies[i] = float(energy[k])
+            if optimizers[i].converged():
+                converged[i] = True
+            elif step < max_steps:
+                optimizers[i].step()
+                still.append(i)
+        if not still:  # at max_steps nothing steps: every geometry's energy is where it stopped
+            break
+        moving = still
+    return np.stack([a.positions for a in atoms]), energies, converged, calls
 
 
 def finite_difference_hessian(

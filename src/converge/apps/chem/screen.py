@@ -2,7 +2,9 @@
 
 For each molecule of a .smi/.sdf/.xyz file: RDKit ETKDG conformers (:func:`~.smiles.embed_conformers`;
 one, the given geometry, for .sdf/.xyz), each optimised by ASE's BFGS on the chosen energy
-(the surrogate by default, or GFN2-xTB or DFT for comparison), then the lowest conformer and
+(the surrogate by default, or GFN2-xTB or DFT for comparison), all of a molecule's conformers stepped
+together (:func:`~.sampling.optimize_geometries`: the network answers each step for the whole batch in
+one call; xTB and DFT take the geometries one by one), then the lowest conformer and
 every conformer's energy relative to it. With an ensemble run, the members' energy spread per
 atom at the lowest conformer, ``sigma_E / sqrt(N)`` in kcal/mol (ANI's query-by-committee
 score), is the trust flag: above the run's calibrated threshold (``calibration.json``) or
@@ -33,6 +35,8 @@ from .smiles import MoleculeRecord, embed_conformers, read_molecules
 METHODS = ("surrogate", "xtb", "dft")
 FALLBACKS = ("", "dft")
 EnergyForcesFn = Callable[[Sequence[str], np.ndarray], tuple[float, np.ndarray]]  # hartree, hartree/Å
+# symbols, (B, n, 3) Å -> (B,) hartree, (B, n, 3) hartree/Å
+BatchEnergyForcesFn = Callable[[Sequence[str], np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -79,15 +83,25 @@ def starting_geometries(record: MoleculeRecord, cfg: ScreenConfig) -> list[np.nd
     return [np.asarray(record.molecule.positions)]
 
 
-def optimise(symbols: Sequence[str], positions: np.ndarray, energy_forces: EnergyForcesFn,
-             cfg: ScreenConfig) -> tuple[np.ndarray, float]:
-    """The BFGS minimum [Å] from ``positions`` and its energy [hartree]; a run that does not reach ``fmax`` in
-    ``max_steps`` keeps its last geometry (the conformer search ranks it all the same)."""
-    from .sampling import optimize_geometry
+def optimise(symbols: Sequence[str], starts: Sequence[np.ndarray], energy_forces: BatchEnergyForcesFn,
+             cfg: ScreenConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The BFGS minima [Å] ``(B, n, 3)`` from ``starts`` and their energies [hartree], all stepped together; a
+    conformer that does not reach ``fmax`` in ``max_steps`` keeps its last geometry (the conformer search
+    ranks it all the same)."""
+    from .sampling import optimize_geometries
 
-    final = optimize_geometry(symbols, positions, lambda p: energy_forces(symbols, p), cfg.fmax_ev_per_angstrom,
-                              cfg.max_steps, strict=False)
-    return final, float(energy_forces(symbols, final)[0])
+    final, energies, _, _ = optimize_geometries(symbols, np.stack(starts), lambda p: energy_forces(symbols, p),
+                                                cfg.fmax_ev_per_angstrom, cfg.max_steps)
+    return final, energies
+
+
+def one_by_one(energy_forces: EnergyForcesFn) -> BatchEnergyForcesFn:
+    """A batch function that asks ``energy_forces`` for each geometry in turn (xTB, DFT)."""
+    def batch(symbols: Sequence[str], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        results = [energy_forces(symbols, p) for p in positions]
+        return np.array([e for e, _ in results]), np.stack([f for _, f in results])
+
+    return batch
 
 
 def relative_kcal(energies: Sequence[float]) -> list[float]:
@@ -97,17 +111,16 @@ def relative_kcal(energies: Sequence[float]) -> list[float]:
 
 
 # -- energies ------------------------------------------------------------------------------------
-def surrogate_energy_forces(run: Path) -> tuple[EnergyForcesFn, ChemConfig]:
-    """The run's potential (float64), or member 0 of an ensemble run, as an energy/forces function; and the
-    run's app config."""
+def surrogate_energy_forces(run: Path) -> tuple[BatchEnergyForcesFn, ChemConfig]:
+    """The run's potential (float64), or member 0 of an ensemble run, as a batch energy/forces function; and
+    the run's app config."""
     from .calculator import Calculator
     from .molecules import ATOMIC_NUMBERS
 
     calc = Calculator(run / "member-0" if is_ensemble(run) else run)
 
-    def energy_forces(symbols: Sequence[str], positions: np.ndarray) -> tuple[float, np.ndarray]:
-        energy, forces = calc.predict(np.array([ATOMIC_NUMBERS[s] for s in symbols]), positions)
-        return float(energy[0]), forces[0]
+    def energy_forces(symbols: Sequence[str], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return calc.predict(np.array([ATOMIC_NUMBERS[s] for s in symbols]), positions)
 
     return energy_forces, from_dict(ChemConfig, calc.config["app_config"], "app")
 
@@ -154,15 +167,15 @@ def ensemble_spread(ensemble: Any, symbols: Sequence[str], positions: np.ndarray
 
 
 # -- the screen ----------------------------------------------------------------------------------
-def screen_record(record: MoleculeRecord, energy_forces: EnergyForcesFn, cfg: ScreenConfig, source: str,
+def screen_record(record: MoleculeRecord, energy_forces: BatchEnergyForcesFn, cfg: ScreenConfig, source: str,
                   ensemble: Any = None, limit: float | None = None,
                   fallback: EnergyForcesFn | None = None) -> tuple[ScreenRow, list[np.ndarray], list[float]]:
     """One molecule: its optimised conformers [Å] and their energies [hartree], lowest first, and its row."""
     t0 = time.perf_counter()
     symbols = record.molecule.symbols
-    found = [optimise(symbols, start, energy_forces, cfg) for start in starting_geometries(record, cfg)]
-    found.sort(key=lambda pe: pe[1])
-    geometries, energies = [p for p, _ in found], [e for _, e in found]
+    final, found = optimise(symbols, starting_geometries(record, cfg), energy_forces, cfg)
+    order = np.argsort(found, kind="stable")
+    geometries, energies = [final[k] for k in order], [float(found[k]) for k in order]
     spread = ensemble_spread(ensemble, symbols, geometries[0]) if ensemble is not None else None
     trusted = None if spread is None or limit is None else bool(spread <= limit)
     if trusted is False and fallback is not None:
@@ -196,7 +209,8 @@ def screen_file(run: str | Path | None, path: str | Path, out: str | Path, cfg: 
             ensemble, limit = load_ensemble(ChemApp(), run), trust_limit(run, cfg)
         if cfg.fallback == "dft":
             fallback = reference_energy_forces("dft", app_cfg)
-    energy_forces = surrogate if cfg.method == "surrogate" else reference_energy_forces(cfg.method, app_cfg)
+    energy_forces = surrogate if cfg.method == "surrogate" else one_by_one(reference_energy_forces(cfg.method,
+                                                                                                  app_cfg))
     rows, frames = [], []
     t0 = time.perf_counter()
     from rich.progress import Progress
