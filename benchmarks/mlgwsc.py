@@ -94,13 +94,18 @@ def _generate(files: dict[str, Path], done: Path, seed: int, duration: int) -> N
 
 def train_cnn(work: Path, args) -> Path:
     """Simulate the DS1 training set and train the coherent CNN (both resume)."""
-    app, cfg = GWApp(), GWConfig.mlgwsc1(1)
+    app, cfg = GWApp(), GWConfig.mlgwsc1(1, conv_padding=args.cnn_padding)
     data, run = work / "train_data", work / "run"
     done = work / ".trained"
     if not done.is_file():
-        run_ensemble(app, cfg, SimulateConfig(samples=args.train_samples, seed=args.train_seed, workers=1,
-                                              shard_size=1000), data, progress=False)  # skips complete shards
-        arrays = ShardStore.open(data).load()
+        try:  # a complete store (another work folder's, linked here) is used as it is
+            arrays = ShardStore.open(data).load()
+        except Exception:  # noqa: BLE001 - absent or unfinished: simulate (complete shards are kept)
+            arrays = None
+        if arrays is None or len(next(iter(arrays.values()))) < args.train_samples:
+            run_ensemble(app, GWConfig.mlgwsc1(1), SimulateConfig(samples=args.train_samples, seed=args.train_seed,
+                                                                  workers=1, shard_size=1000), data, progress=False)
+            arrays = ShardStore.open(data).load()
         result = train(app, cfg, TrainConfig(epochs=args.epochs, batch_size=128, seed=args.train_seed), arrays,
                        run, resume=(run / "last.pt").exists(), progress=False, extra_config={"data": str(data)})
         done.write_text(json.dumps({"samples": args.train_samples, "epochs": args.epochs,
@@ -274,6 +279,11 @@ def main() -> None:
     ap.add_argument("--train-seed", type=int, default=1)
     ap.add_argument("--train-samples", type=int, default=60000)
     ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--cnn-padding", choices=("valid", "same"), default="valid",
+                    help="valid: the search scores each stretch's overlapping windows from one pass of the "
+                         "convolutions (exact); same: window by window, zeros at the edges")
+    ap.add_argument("--data", type=Path, help="where the challenge's files are made (default: --work); two work "
+                    "folders may share them")
     ap.add_argument("--follow-seconds", type=float, default=1200.0)
     ap.add_argument("--follow-speed", type=float, default=4.0, help="landing rate over real time")
     ap.add_argument("--compute-seconds", type=float, default=600.0, help="stretch both searches are timed on")
@@ -286,6 +296,8 @@ def main() -> None:
     torch.set_num_threads(1)
     work = args.work.resolve()  # the generator runs in the challenge's folder
     work.mkdir(parents=True, exist_ok=True)
+    data = (args.data or args.work).resolve()
+    data.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}
     cfg = GWConfig.mlgwsc1(1)
 
@@ -295,8 +307,8 @@ def main() -> None:
     stages["train"] = time.perf_counter() - t
     t = time.perf_counter()
     log("data: the challenge's generator")
-    test = generate(work, "test", args.seed, args.duration)
-    calib = generate(work, "calibration", args.calibration_seed, args.calibration_duration)
+    test = generate(data, "test", args.seed, args.duration)
+    calib = generate(data, "calibration", args.calibration_seed, args.calibration_duration)
     stages["data"] = time.perf_counter() - t
     t = time.perf_counter()
     log("calibrate: timing on the calibration injections")
@@ -356,6 +368,7 @@ def main() -> None:
             "reduced_size": reduced,
             "seeds": {"test": args.seed, "calibration": args.calibration_seed, "training": args.train_seed},
             "cnn": {**method_entry("cnn"), "training": {"samples": args.train_samples, "epochs": args.epochs},
+                    "conv_padding": args.cnn_padding,
                     "n_windows_per_slide_s": 1 / SearchConfig().stride},
             "matched_filter": {**method_entry("matched_filter"),
                                "n_templates": fg_s["matched_filter"]["n_templates"],

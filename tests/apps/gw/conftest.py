@@ -46,3 +46,19 @@ def tiny_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     train(app, NET, TrainConfig(epochs=1, batch_size=16), {"signal": signals}, run, progress=False)
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_streaming_run(tmp_path_factory):
+    """The tiny run with a CNN of valid convolutions (``conv_padding="valid"``), which searches stream."""
+    from dataclasses import replace
+
+    from converge.train.loop import TrainConfig, train
+
+    torch.manual_seed(0)
+    app, cfg = GWApp(), replace(NET, conv_padding="valid")
+    rng = np.random.default_rng(0)
+    signals = np.stack([app.simulate(cfg, app.sample_parameters(cfg, rng))["signal"] for _ in range(16)])
+    run = tmp_path_factory.mktemp("stream-run")
+    train(app, cfg, TrainConfig(epochs=1, batch_size=16), {"signal": signals}, run, progress=False)
+    return run

@@ -103,3 +103,29 @@ def test_coherent_batches_and_model():
     model = DetectionCNN(NET.window_samples, (4, 8, 8), 8, n_detectors=2)
     assert model(batch["input"]).shape == (8,) and is_sig.sum() >= 1
     assert GWApp().make_model(NET).features[0].in_channels == 2
+
+
+@pytest.mark.parametrize("detectors", [1, 2])
+def test_streaming_scores_equal_window_by_window_scores(detectors):
+    torch.manual_seed(0)
+    model = DetectionCNN(2048, (4, 8, 8), 8, n_detectors=detectors, padding="valid").eval()
+    for module in model.modules():  # statistics of a trained network, not the identity
+        if isinstance(module, torch.nn.BatchNorm1d):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+    strain = torch.randn(detectors, 2048 * 6 + 100)
+    starts = range(0, strain.shape[-1] - 2048 + 1, 256)
+    windows = torch.stack([strain[:, a:a + 2048] for a in starts])
+    with torch.inference_mode():
+        streamed = model.stream(strain if detectors > 1 else strain[0], 256)
+        one_by_one = model(windows if detectors > 1 else windows[:, 0])
+    assert streamed.shape == (len(starts),) and model.window_features == 25
+    torch.testing.assert_close(streamed, one_by_one, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 64 samples"):
+        model.stream(strain, 100)
+    with pytest.raises(ValueError, match="padding='valid'"):
+        DetectionCNN(2048, (4, 8, 8), 8).stream(strain[0], 256)
+    with pytest.raises(ValueError, match="padding='full'"):
+        DetectionCNN(2048, padding="full")
+    with pytest.raises(ConfigError, match="conv_padding='full'"):
+        GWConfig(conv_padding="full")

@@ -38,6 +38,21 @@ def test_chunked_search_equals_whole_file_search(tiny_run, network_file, tmp_pat
     np.testing.assert_allclose(ea["stat"], eb["stat"], atol=1e-5)
 
 
+def test_a_streaming_network_gives_the_events_of_window_by_window_scoring(tiny_streaming_run, network_file,
+                                                                         tmp_path, monkeypatch):
+    from converge.apps.gw.model import DetectionCNN
+
+    cfg = SearchConfig(threshold=-3.0, slides=2, slide_step=2.0)
+    streamed = search_cnn(tiny_streaming_run, network_file, tmp_path / "s.hdf", cfg, progress=False)
+    monkeypatch.setattr(DetectionCNN, "streamable", property(lambda self: False))  # window by window
+    windows = search_cnn(tiny_streaming_run, network_file, tmp_path / "w.hdf", cfg, progress=False)
+    es, ew = read_events(tmp_path / "s.hdf")[0], read_events(tmp_path / "w.hdf")[0]
+    assert streamed["n_events"] == windows["n_events"] > 0
+    np.testing.assert_allclose(es["time"], ew["time"], atol=1e-9)
+    np.testing.assert_allclose(es["stat"], ew["stat"], atol=1e-4)
+    np.testing.assert_array_equal(es["slide"], ew["slide"])
+
+
 def test_slides_are_background_only_and_give_n_times_the_time(tiny_run, network_file, tmp_path):
     fg = search_cnn(tiny_run, network_file, tmp_path / "fg.hdf", LOW, progress=False)
     bg = search_cnn(tiny_run, network_file, tmp_path / "bg.hdf", SearchConfig(threshold=-3.0, slides=4),

@@ -79,7 +79,7 @@ class GWApp(App):
         return {"signal": whitened_signal(cfg, params).astype(np.float32)}
 
     def make_model(self, cfg: GWConfig) -> DetectionCNN:
-        return DetectionCNN(cfg.window_samples, tuple(cfg.channels), cfg.hidden, len(cfg.network))
+        return DetectionCNN(cfg.window_samples, tuple(cfg.channels), cfg.hidden, len(cfg.network), cfg.conv_padding)
 
     def make_datasets(
         self, cfg: GWConfig, arrays: Mapping[str, np.ndarray], seed: int, val_fraction: float

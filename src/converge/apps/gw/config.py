@@ -55,6 +55,9 @@ class GWConfig:
     # CNN width: channels of the three conv blocks
     channels: tuple[int, ...] = (16, 32, 64)
     hidden: int = 64
+    # "valid": no zero padding in the CNN, so a search scores all the overlapping windows of a stretch from
+    # one pass of the convolutions (DetectionCNN.stream; exact); "same": each window on its own
+    conv_padding: str = "same"
     detectors: tuple[str, ...] = ()  # () -> (detector,); ("H1", "L1"): a coherent two-detector network
     spins: str = "zero"
     spin_max: float = 0.99
@@ -83,6 +86,8 @@ class GWConfig:
             raise ConfigError(f"app.curriculum_fraction={self.curriculum_fraction}: must be in [0, 1]")
         if self.segment < 4 * self.window:
             raise ConfigError(f"app.segment={self.segment}: must be at least 4 windows long")
+        if self.conv_padding not in ("same", "valid"):
+            raise ConfigError(f"app.conv_padding={self.conv_padding!r}: give 'same' or 'valid'")
         if len(self.channels) != 3 or min(self.channels) < 1:
             raise ConfigError(f"app.channels={self.channels}: give three positive channel counts, e.g. [16, 32, 64]")
         unknown = [d for d in self.detectors if d not in NETWORK_DETECTORS]

@@ -33,6 +33,7 @@ from .conditioning import Conditioning, WhitenedSegment, whiten_strain_set
 from .config import GWConfig
 from .datafile import StrainSet, open_strain
 from .events import cluster_in_time, write_events
+from .model import STRIDE
 from .slides import background_seconds, check_slide_step, slid_index, slide_shifts
 from .strainfile import StrainFileError
 
@@ -85,32 +86,45 @@ def check_data(data: StrainSet, detectors: tuple[str, ...], sample_rate: float, 
                               f"{min_segment_s:g} s needed to estimate a PSD and whiten; {len(short)} such segment(s)")
 
 
-def window_batch(seg: WhitenedSegment, detectors: tuple[str, ...], starts: np.ndarray, n: int,
-                 shift: int) -> torch.Tensor:
-    """Windows ``(B, D, n)`` starting at first-detector samples ``starts`` (contiguous, equally spaced);
-    the other detectors are read at the slide's shifted samples (:func:`.slides.slid_index`)."""
-    step = int(starts[1] - starts[0]) if len(starts) > 1 else 1
-    span = np.arange(int(starts[0]), int(starts[-1]) + n)
+def stretch(seg: WhitenedSegment, detectors: tuple[str, ...], first: int, end: int, shift: int) -> torch.Tensor:
+    """The strain ``(D, end - first)`` of first-detector samples ``first:end``; the other detectors are read at
+    the slide's shifted samples (:func:`.slides.slid_index`)."""
+    span = np.arange(first, end)
     rows = []
     for k, det in enumerate(detectors):
-        idx = span if (k == 0 or shift == 0) else slid_index(span, seg.valid, k * shift)
-        x = seg.channels[det][span[0]:span[-1] + 1] if idx is span else seg.channels[det][idx]
-        rows.append(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).unfold(0, n, step))  # (B, n)
-    return torch.stack(rows, dim=1)  # (B, D, n)
+        x = seg.channels[det][first:end] if (k == 0 or shift == 0) else seg.channels[det][
+            slid_index(span, seg.valid, k * shift)]
+        rows.append(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+    return torch.stack(rows)  # (D, T)
+
+
+def window_batch(seg: WhitenedSegment, detectors: tuple[str, ...], starts: np.ndarray, n: int,
+                 shift: int) -> torch.Tensor:
+    """Windows ``(B, D, n)`` starting at first-detector samples ``starts`` (contiguous, equally spaced), as
+    :func:`stretch` reads them."""
+    step = int(starts[1] - starts[0]) if len(starts) > 1 else 1
+    return stretch(seg, detectors, int(starts[0]), int(starts[-1]) + n, shift).unfold(1, n, step).transpose(0, 1)
 
 
 def score_segment(model: torch.nn.Module, cfg: GWConfig, seg: WhitenedSegment, search: SearchConfig,
                   shift: int, progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(window start samples, logits) of every window in the segment's valid range for one slide."""
+    """(window start samples, logits) of every window in the segment's valid range for one slide; a streamable
+    network (``conv_padding="valid"``) scores each batch's windows from one pass over their stretch."""
     n, step = cfg.window_samples, max(1, int(round(search.stride * seg.sample_rate)))
     starts = np.arange(seg.valid[0], seg.valid[1] - n + 1, step)
     logits = np.empty(len(starts), dtype=np.float32)
     detectors = cfg.network
+    streaming = getattr(model, "streamable", False) and step % STRIDE == 0
     with torch.inference_mode(), inference_precision(search.precision):
         for i in range(0, len(starts), search.batch_size):
             chunk = starts[i:i + search.batch_size]
-            x = window_batch(seg, detectors, chunk, n, shift)
-            logits[i:i + len(chunk)] = model(x if cfg.coherent else x[:, 0]).float().numpy()
+            if streaming:
+                x = stretch(seg, detectors, int(chunk[0]), int(chunk[-1]) + n, shift)
+                out = model.stream(x if cfg.coherent else x[0], step)
+            else:
+                x = window_batch(seg, detectors, chunk, n, shift)
+                out = model(x if cfg.coherent else x[:, 0])
+            logits[i:i + len(chunk)] = out.float().numpy()
             if progress is not None:
                 progress(len(chunk) * step)
     return starts, logits
