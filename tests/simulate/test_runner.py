@@ -7,6 +7,7 @@ worker on demand.
 from __future__ import annotations
 
 import os
+import json
 import shutil
 import signal
 import time
@@ -212,6 +213,18 @@ def test_other_settings_in_the_same_directory_are_refused(baseline: Path, tmp_pa
     with pytest.raises(StoreError, match=r"app_config.*schema"):  # the array shape changes too
         simulate(out, n_times=16)
     assert tree_bytes(out) == tree_bytes(baseline)
+
+
+def test_a_store_made_before_a_setting_existed_resumes_at_its_default(baseline: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data"
+    shutil.copytree(baseline, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["app_config"]["t_max"]  # as if t_max were added to the config after this store was made
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    result = simulate(out)  # t_max at its default: the same dataset
+    assert result.complete and result.shards_skipped == 4 and result.shards_computed == 0
+    with pytest.raises(StoreError, match=r"app_config"):
+        simulate(out, t_max=5.0)  # another value is another dataset
 
 
 def test_a_killed_worker_does_not_stop_the_run(baseline: Path, tmp_path: Path) -> None:

@@ -166,6 +166,20 @@ def dataset_header(app: Any, app_cfg: Any, sim_cfg: SimulateConfig, schema: Mapp
     }
 
 
+def stored_config_if_same(root: Path, app: Any, app_cfg: Any, header: dict[str, Any]) -> dict[str, Any]:
+    """``header`` with the stored dataset's ``app_config`` where that reads back as ``app_cfg``: a store made
+    before a setting was added to the app's config (absent there, its default here) resumes, while one made
+    with a different value is refused as before."""
+    from ..config import from_dict
+
+    try:
+        stored = ShardStore.open(root).manifest["app_config"]
+        same = stored != header["app_config"] and from_dict(type(app_cfg), stored, "app") == app_cfg
+    except Exception:  # noqa: BLE001 - no store or an unreadable one: create_or_open says what is wrong
+        return header
+    return {**header, "app_config": stored} if same else header
+
+
 def plan_shards(store: ShardStore, repair: bool) -> tuple[list[int], list[int]]:
     """(shards to compute, complete shards to skip); damaged shards need ``repair``."""
     never_written = set(store.missing_shards())
@@ -214,7 +228,8 @@ def run_ensemble(
         check_cluster_settings(sim_cfg.cluster, cluster_cfg)
     _check_importable(type(app))
     schema = app.schema(app_cfg)
-    store = ShardStore.create_or_open(out_dir, dataset_header(app, app_cfg, sim_cfg, schema))
+    header = stored_config_if_same(Path(out_dir), app, app_cfg, dataset_header(app, app_cfg, sim_cfg, schema))
+    store = ShardStore.create_or_open(out_dir, header)
     todo, skipped = plan_shards(store, repair)
     todo = todo if max_shards is None else todo[:max_shards]
     if todo:
