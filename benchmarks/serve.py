@@ -1,25 +1,28 @@
-"""Serving throughput and latency of trained gw and chem runs: the model alone against `converge serve`.
+"""Serving throughput and latency of trained runs: the model alone, `converge serve`, and Triton, MLServer, LitServe.
 
+    make peers    # the peers' environments, once
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve.py --gw runs/gw-full/run --chem runs/chem-full/ethanol/run \
-        --peers mlserver,litserve
+        --peers triton,mlserver,litserve
 
 Trains nothing: give run folders of `converge train`. For each, measures the
 model's own throughput (batch 1 and its best batch, no server), then sweeps
-`converge serve` with dynamic batching on (max_batch_size 64, no queue delay)
-and off (max_batch_size 1) over client concurrency, JSON and binary tensors,
-with the load generator in its own process (its CPU share is reported, to show
-it is not the bottleneck). Writes ``benchmarks/results/serve.json`` and
-``serve.png`` (throughput against p99 latency).
+`converge serve` with dynamic batching on (max_batch_size 64, no queue delay;
+one model process, and two: ``--instances 2``) and off (max_batch_size 1) over
+client concurrency, JSON and binary tensors, with the load generator in its
+own process (its CPU share is reported, to show it is not the bottleneck).
+Writes ``benchmarks/results/serve.json`` and ``serve.png`` (throughput against
+p99 latency); apps not measured in this run keep their entries unless ``--replace``.
 
-With ``--peers mlserver,litserve`` the same run also serves the same model with
-MLServer (adaptive batching) and LitServe (batching), each calling our
+With ``--peers triton,mlserver,litserve`` the same run also serves the same model
+with Triton (dynamic batching, Python backend, binary tensors), MLServer (adaptive
+batching, JSON) and LitServe (batching, JSON), each calling our
 ``load_served_model(run).predict`` from its own virtual environment
-(``runs/peer-envs/<peer>``, installed on first use: minutes, once), checks one
-answer of each against our model's, and sweeps them over JSON at the same
-concurrencies. Each app's report gains ``peers`` (their sweeps and bests),
-``peer`` (the faster one) and ``gain_vs_peer_at_equal_p99``: our best batched
-JSON throughput at a p99 no worse than that peer's at its best, over the peer's
-best throughput (the target is >= 1.3).
+(``runs/peer-envs/<peer>``, made on first use or by ``make peers``), each swept
+over a grid of its own settings and its best confirmed by a second sweep, its
+answers checked against our model's. Each app's report gains ``peers`` (their
+sweeps, best settings and bests, with ours beside each at a p99 no worse) and
+``gain_vs_peer_at_equal_p99`` against the hardest one. Targets: 1.0x Triton,
+1.3x the others.
 """
 from __future__ import annotations
 
@@ -42,7 +45,11 @@ def main() -> int:
     parser.add_argument("--formats", default="binary,json", help="binary, json or both")
     parser.add_argument("--max-batch-size", type=int, default=64, help="of the batched server")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where serve.json and serve.png go")
-    parser.add_argument("--peers", default="", help="also mlserver, litserve or both, over JSON")
+    parser.add_argument("--peers", default="", help="also triton (binary), mlserver and litserve (JSON)")
+    parser.add_argument("--peer-grid", default="", help='the peers\' settings to sweep, e.g. "triton.workers=1,2" '
+                        "(default: each peer's grid around --max-batch-size)")
+    parser.add_argument("--replace", action="store_true", help="write only the apps measured now (default: an "
+                        "existing serve.json keeps the entries of apps not measured in this run)")
     args = parser.parse_args()
     runs = {label: run for label, run in (("gw", args.gw), ("chem", args.chem)) if run is not None}
     if not runs:
@@ -54,12 +61,15 @@ def main() -> int:
 
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
     cfg = ServeBenchConfig.from_options(args.concurrency, args.duration, args.warmup, args.formats,
-                                        args.max_batch_size, peers=args.peers)
+                                        args.max_batch_size, peers=args.peers, peer_grid=args.peer_grid)
     reports = {}
     for label, run in runs.items():
         print(f"{label}: {run}", file=sys.stderr)
         reports[label] = run_serve_benchmark(run, cfg)
         print(json.dumps({label: headline(reports[label])}, indent=2))
+    previous = args.out / "serve.json"
+    if not args.replace and previous.is_file():
+        reports = {**{k: v for k, v in json.loads(previous.read_text()).items() if k not in reports}, **reports}
     json_path, png_path = write_results(reports, args.out)
     print(f"written {json_path} and {png_path}", file=sys.stderr)
     return 0
