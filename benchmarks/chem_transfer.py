@@ -155,20 +155,34 @@ def speed(cfg: ChemConfig, model, arrays: dict[str, np.ndarray], n_dft: int) -> 
             "speedup_single": dft / single, "speedup_batched": dft / batched, "threads": torch.get_num_threads()}
 
 
-def screening(args: argparse.Namespace, run: Path) -> dict:
-    """Molecules per second of a conformer search (embedding, optimisation, ranking) on the network, GFN2-xTB and
-    DFT, on the same molecules in one run."""
-    path = args.out / "screen.smi"
-    chosen = test_molecules(args)[: args.screen_molecules]
+def screen_methods(args: argparse.Namespace, run: Path, n_molecules: int, conformers: int, methods, tag: str) -> dict:
+    """Molecules per second of a conformer search (embedding, optimisation, ranking) by each of ``methods`` on the
+    first ``n_molecules`` test molecules with ``conformers`` ETKDG conformers each, back to back."""
+    path = args.out / f"screen{tag}.smi"
+    chosen = test_molecules(args)[:n_molecules]
     path.write_text("".join(f"{smiles} {name}\n" for name, smiles in chosen))
-    out = {"molecules": [name for name, _ in chosen], "conformers_per_molecule": args.screen_conformers}
-    for label, method in (("network", "surrogate"), ("gfn2_xtb", "xtb"), ("dft", "dft")):
-        cfg = ScreenConfig(conformers=args.screen_conformers, method=method)
-        summary = screen_file(run, path, args.out / f"screen-{method}", cfg, progress=False)
+    out = {"molecules": [name for name, _ in chosen], "conformers_per_molecule": conformers}
+    for label, method in methods:
+        cfg = ScreenConfig(conformers=conformers, method=method)
+        summary = screen_file(run, path, args.out / f"screen{tag}-{method}", cfg, progress=False)
         out[label] = {k: summary[k] for k in ("molecules_per_second", "seconds", "level_of_theory")}
-        print(f"screen {label}: {summary['molecules_per_second']:.3g} molecules/s", file=sys.stderr)
+        print(f"screen{tag} {label}: {summary['molecules_per_second']:.3g} molecules/s", file=sys.stderr)
+    return out
+
+
+def screening(args: argparse.Namespace, run: Path) -> dict:
+    """The conformer search on the network, GFN2-xTB and DFT on the same few molecules in one run; then the network
+    and xTB alone on more molecules and conformers (``larger``), where DFT would take hours."""
+    three = (("network", "surrogate"), ("gfn2_xtb", "xtb"), ("dft", "dft"))
+    out = screen_methods(args, run, args.screen_molecules, args.screen_conformers, three, "")
     out["network_over_dft"] = out["network"]["molecules_per_second"] / out["dft"]["molecules_per_second"]
     out["network_over_xtb"] = out["network"]["molecules_per_second"] / out["gfn2_xtb"]["molecules_per_second"]
+    larger = screen_methods(args, run, args.screen_larger_molecules, args.screen_larger_conformers, three[:2],
+                            "-larger")
+    larger["network_over_xtb"] = larger["network"]["molecules_per_second"] / larger["gfn2_xtb"]["molecules_per_second"]
+    out["larger"] = larger
+    out["optimiser"] = ("ASE BFGS per conformer, fmax 0.05 eV/A; the network steps all of a molecule's conformers "
+                        "together (one batched call per step), xTB and DFT take them one by one")
     return out
 
 
@@ -186,7 +200,11 @@ def main() -> int:
     ap.add_argument("--n-dft-timing", type=int, default=4, help="test conformers timed with DFT")
     ap.add_argument("--screen-molecules", type=int, default=2, help="test molecules screened by all three methods")
     ap.add_argument("--screen-conformers", type=int, default=2, help="ETKDG conformers per screened molecule")
+    ap.add_argument("--screen-larger-molecules", type=int, default=8, help="screened by the network and xTB")
+    ap.add_argument("--screen-larger-conformers", type=int, default=10)
     ap.add_argument("--until", choices=("simulate", "train", "all"), default="all")
+    ap.add_argument("--only-screening", action="store_true", help="rerun only the screening of a finished run and "
+                    "replace its entry in chem_transfer.json")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -208,6 +226,13 @@ def main() -> int:
         history = result.history
     train_s = sum(h["seconds"] for h in history)
     if args.until == "train":
+        return 0
+    if args.only_screening:
+        path = args.results / "chem_transfer.json"
+        previous = json.loads(path.read_text())
+        previous["screening"] = screening(args, run)
+        print(json.dumps(previous["screening"], indent=1))
+        print("written", write_json(path, previous), file=sys.stderr)
         return 0
     model, _ = load_model(app, run)
     model = model.double()

@@ -211,6 +211,8 @@ def screen_file(run: str | Path | None, path: str | Path, out: str | Path, cfg: 
             fallback = reference_energy_forces("dft", app_cfg)
     energy_forces = surrogate if cfg.method == "surrogate" else one_by_one(reference_energy_forces(cfg.method,
                                                                                                   app_cfg))
+    import ase.optimize  # noqa: F401 - its import (a second, scipy.optimize with it) is not the screen's time
+
     rows, frames = [], []
     t0 = time.perf_counter()
     from rich.progress import Progress
