@@ -129,3 +129,43 @@ def test_streaming_scores_equal_window_by_window_scores(detectors):
         DetectionCNN(2048, padding="full")
     with pytest.raises(ConfigError, match="conv_padding='full'"):
         GWConfig(conv_padding="full")
+
+
+def test_challenge_psds_match_the_challenges_files_and_whiten_each_detector():
+    from converge.apps.gw.psd import challenge_psd, config_psd, design_psd, n_challenge_psds
+    from converge.apps.gw.waveforms import signal_psds
+
+    assert n_challenge_psds() == 20
+    psd = challenge_psd("L1", 7, 32 * 2048, 2048, 20.0)
+    freqs = np.fft.rfftfreq(32 * 2048, 1 / 2048)
+    assert np.isinf(psd[freqs < 20.0]).all() and np.isfinite(psd[(freqs >= 20.0) & (freqs < 1024)]).all()
+    design = design_psd("aLIGOZeroDetHighPower", 32 * 2048, 2048, 20.0)
+    ratio = psd[(freqs > 30) & (freqs < 500)] / design[(freqs > 30) & (freqs < 500)]
+    assert 0.05 < np.median(ratio) < 20  # a detector's measured-like PSD, not the design curve itself
+    assert not np.allclose(ratio, ratio[0])
+    challenge = __import__("pathlib").Path(__file__).parents[4] / "shared" / "mlgwsc1" / "psds" / "L1" / "psd-7.hdf"
+    if challenge.is_file():  # the shipped table is the challenge's own file, at its 1 Hz bins
+        from pycbc.types import load_frequencyseries
+
+        own = load_frequencyseries(str(challenge))
+        at = (freqs >= 20.0) & (freqs < 1023) & (np.abs(freqs - np.round(freqs)) < 1e-9)
+        np.testing.assert_allclose(psd[at], np.asarray(own)[np.round(freqs[at]).astype(int)], rtol=1e-12)
+    assert config_psd("aLIGOZeroDetHighPower", "H1", 64, 2048, 20.0) is design_psd("aLIGOZeroDetHighPower", 64,
+                                                                                   2048, 20.0)
+    with pytest.raises(ValueError, match="not 'V1'"):
+        challenge_psd("V1", 0, 64, 2048, 20.0)
+    with pytest.raises(ValueError, match="give 0..19"):
+        challenge_psd("H1", 20, 64, 2048, 20.0)
+    # DS2 draws one PSD per detector per sample; the whitened signal keeps unit network SNR under it
+    cfg = GWConfig.mlgwsc1(2)
+    assert cfg.psd == "mlgwsc1" and GWConfig.mlgwsc1(1).psd == "aLIGOZeroDetHighPower"
+    p = sample_bbh_parameters(cfg, np.random.default_rng(0))
+    assert {p["psd_H1"], p["psd_L1"]} <= set(map(float, range(20)))
+    white = whitened_signal(cfg, p)
+    assert white.shape == (2, cfg.stored_samples) and np.linalg.norm(white) == pytest.approx(1.0, rel=1e-5)
+    other = whitened_signal(cfg, {**p, "psd_L1": float((p["psd_L1"] + 1) % 20)})
+    np.testing.assert_allclose(white[0] / np.linalg.norm(white[0]), other[0] / np.linalg.norm(other[0]), atol=1e-6)
+    assert not np.allclose(white[1] / np.linalg.norm(white[1]), other[1] / np.linalg.norm(other[1]), atol=1e-3)
+    assert set(signal_psds(cfg, p)) == {"H1", "L1"} and signal_psds(GWConfig.mlgwsc1(1), p) == {}
+    q = sample_bbh_parameters(GWConfig.mlgwsc1(1), np.random.default_rng(0))
+    assert "psd_H1" not in q  # DS1 draws what it always drew

@@ -111,14 +111,16 @@ class GWConfig:
         [7, 50], isotropic spins up to 0.99 (precession) and the modes 22, 21, 33, 32, 44.
         Without precession, XPHM's (2, 2) mode is IMRPhenomXAS (whitened unit-norm signals agree to
         2e-5, tested), which LALSuite makes 20x faster here; DS1 and DS2 therefore simulate XAS.
-        DS2 and DS3 noise is coloured by PSDs the challenge ships (``psds/``); training here whitens
-        with the design PSD and the search with the data's own Welch PSD.
+        DS2 and DS3 noise is coloured by the 20 PSDs per detector the challenge ships (``psds/``, here in
+        ``data/mlgwsc1_psds.npz``): their presets set ``psd="mlgwsc1"``, so that each training signal is
+        whitened by one of them per detector, drawn per sample; the search whitens with the data's own
+        Welch PSD.
         """
         presets = {
             1: dict(mass_min=10.0, mass_max=50.0, spins="zero", approximant="IMRPhenomXAS"),
-            2: dict(mass_min=7.0, mass_max=50.0, spins="aligned", approximant="IMRPhenomXAS"),
+            2: dict(mass_min=7.0, mass_max=50.0, spins="aligned", approximant="IMRPhenomXAS", psd="mlgwsc1"),
             3: dict(mass_min=7.0, mass_max=50.0, spins="isotropic", approximant="IMRPhenomXPHM",
-                    mode_array=(22, 21, 33, 32, 44)),
+                    mode_array=(22, 21, 33, 32, 44), psd="mlgwsc1"),
         }
         if dataset not in presets:
             raise ConfigError(f"MLGWSC-1 dataset {dataset}: presets exist for 1, 2 and 3 (dataset 4 is real noise)")

@@ -27,7 +27,7 @@ import torch
 
 from .bank import DATA_DIR, chirp_mass_eta, nearest_templates, read_bank, write_bank
 from .config import GWConfig
-from .psd import design_psd
+from .psd import config_psd
 from .waveforms import sample_bbh_parameters
 
 MATCH_FFT_S = 16.0  # s: longer than the longest DS1 template (10+10 Msun from 20 Hz: about 6 s)
@@ -84,7 +84,7 @@ def place_full_bank(cfg: GWConfig, min_match: float = 0.97, seed: int = 0, max_r
                     neighbours: int = 32, progress=None) -> np.ndarray:
     """Stochastic placement of full-length templates (module docstring); masses (T, 2), ``m1 >= m2``."""
     n_fft = int(MATCH_FFT_S * cfg.sample_rate)
-    psd = design_psd(cfg.psd, n_fft, cfg.sample_rate, cfg.f_lower)
+    psd = config_psd(cfg.psd, cfg.network[0], n_fft, cfg.sample_rate, cfg.f_lower)
     gain = 1.0 / np.sqrt(psd * cfg.sample_rate / 2.0)  # inf bins -> 0
     rng = np.random.default_rng(seed)
     masses = np.zeros((0, 2))

@@ -17,7 +17,7 @@ import torch
 from ...data.sources import stream_seed
 from .config import GWConfig
 from .noise import whiten
-from .psd import design_psd
+from .psd import config_psd
 
 
 def colored_noise_torch(psd: torch.Tensor, n: int, batch: int, sample_rate: float, g: torch.Generator) -> torch.Tensor:
@@ -36,8 +36,9 @@ def colored_noise_torch(psd: torch.Tensor, n: int, batch: int, sample_rate: floa
 
 @lru_cache(maxsize=8)
 def window_psd(cfg: GWConfig) -> torch.Tensor:
-    """The design PSD on the rfft grid of one window, as a tensor."""
-    return torch.tensor(design_psd(cfg.psd, cfg.window_samples, cfg.sample_rate, cfg.f_lower))
+    """The config's PSD on the rfft grid of one window, as a tensor (training noise is coloured and whitened by
+    it, so it leaves white noise; with the challenge's PSDs, its first one of the first detector)."""
+    return torch.tensor(config_psd(cfg.psd, cfg.network[0], cfg.window_samples, cfg.sample_rate, cfg.f_lower))
 
 
 def whitened_noise(cfg: GWConfig, batch: int, g: torch.Generator) -> torch.Tensor:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import GWConfig
 from .noise import colored_gaussian_noise, whiten
-from .psd import design_psd
+from .psd import config_psd
 from .waveforms import projected_strain
 
 
@@ -116,7 +116,7 @@ def make_injection_strain(
     """
     fs = cfg.sample_rate
     n = int(round(duration * fs))
-    psd = design_psd(cfg.psd, n, fs, cfg.f_lower)
+    psd = config_psd(cfg.psd, cfg.network[0], n, fs, cfg.f_lower)
     rng = np.random.default_rng(seed)
     data = colored_gaussian_noise(psd, n, fs, rng)
     placed = []
@@ -152,9 +152,9 @@ def make_network_strain(
 
     fs = cfg.sample_rate
     n = int(round(duration * fs))
-    psd = design_psd(cfg.psd, n, fs, cfg.f_lower)
+    psds = {d: config_psd(cfg.psd, d, n, fs, cfg.f_lower) for d in cfg.network}
     rng = np.random.default_rng(seed)
-    data = {d: colored_gaussian_noise(psd, n, fs, rng) for d in cfg.network}
+    data = {d: colored_gaussian_noise(psds[d], n, fs, rng) for d in cfg.network}
     freqs = np.fft.rfftfreq(n, 1.0 / fs)
     placed = []
     for inj in injections:
@@ -168,7 +168,7 @@ def make_network_strain(
             sig[start:start + len(h)] = h
             shift = arrival_delay(det, inj) + (inj["gps_time"] - gps_start + t[0]) - start / fs
             signals[det] = np.fft.irfft(np.fft.rfft(sig) * np.exp(-2j * np.pi * freqs * shift), n=n)
-        snrs = {d: injection_snr(s, psd, fs) for d, s in signals.items()}
+        snrs = {d: injection_snr(s, psds[d], fs) for d, s in signals.items()}
         scale = inj["snr"] / np.sqrt(sum(v**2 for v in snrs.values()))
         for det in cfg.network:
             data[det] = data[det] + scale * signals[det]

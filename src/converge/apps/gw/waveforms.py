@@ -29,7 +29,7 @@ import torch
 
 from .config import GWConfig
 from .noise import whitening_factor
-from .psd import design_psd
+from .psd import CHALLENGE_PSDS, challenge_psd, design_psd, n_challenge_psds
 
 REFERENCE_GPS_TIME = 1187008882.4  # GW170817's merger time: an arbitrary fixed epoch for antenna patterns
 DEFAULT_DISTANCE_MPC = 1.0  # amplitude is irrelevant once whitened signals are normalised
@@ -192,14 +192,25 @@ def whitened_signal(cfg: GWConfig, params: Mapping[str, float], psd: np.ndarray 
     the network SNR ``sqrt(sum_d rho_d^2)``, which keeps the detectors' relative amplitudes) so
     that ``optimal_snr(out) == 1``; the data pipeline rescales it per window.
     """
+    own = signal_psds(cfg, params) if psd is None else {}
     if cfg.coherent:
-        span = np.stack([whitened_span(cfg, h, psd) for h in fd_network_strain(cfg, params)])  # (D, L)
+        span = np.stack([whitened_span(cfg, h, own.get(det, psd))
+                         for det, h in zip(cfg.network, fd_network_strain(cfg, params))])  # (D, L)
     else:
-        span = whitened_span(cfg, fd_detector_strain(cfg, params), psd)
+        span = whitened_span(cfg, fd_detector_strain(cfg, params), own.get(cfg.network[0], psd))
     norm = np.linalg.norm(span)
     if not norm > 0:
         raise ValueError(f"signal {dict(params)} has no power above f_lower={cfg.f_lower} Hz in the stored span")
     return (span / norm).astype(np.float32)
+
+
+def signal_psds(cfg: GWConfig, params: Mapping[str, float]) -> dict[str, np.ndarray]:
+    """With ``psd = "mlgwsc1"``, each detector's PSD of this sample (the challenge's PSD ``params["psd_<det>"]``, on
+    the whitening segment's grid); with a design PSD, none (:func:`whitened_span` uses ``cfg.psd``)."""
+    if cfg.psd != CHALLENGE_PSDS:
+        return {}
+    n = segment_samples(cfg)
+    return {det: challenge_psd(det, int(params[f"psd_{det}"]), n, cfg.sample_rate, cfg.f_lower) for det in cfg.network}
 
 
 def optimal_snr(whitened: np.ndarray | torch.Tensor, axis: int = -1) -> np.ndarray | torch.Tensor:
@@ -236,6 +247,9 @@ def sample_bbh_parameters(cfg: GWConfig, rng: np.random.Generator) -> dict[str, 
             params[f"spin{body}x"] = float(a * sin_polar * np.cos(azimuth))
             params[f"spin{body}y"] = float(a * sin_polar * np.sin(azimuth))
             params[f"spin{body}z"] = float(a * cos_polar)
+    if cfg.psd == CHALLENGE_PSDS:  # each detector one of the challenge's PSDs, drawn last as the spins are
+        for det in cfg.network:
+            params[f"psd_{det}"] = float(rng.integers(n_challenge_psds()))
     return params
 
 
