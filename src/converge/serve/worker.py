@@ -440,8 +440,12 @@ class ModelInstances(RequestQueue):
         return any(m.running for m in self.members)
 
     def start(self) -> None:
-        for member in self.members:
-            member.start()
+        """Start every child at once (each loads the model: seconds); the first failure is raised."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.members)) as pool:
+            for done in [pool.submit(m.start) for m in self.members]:
+                done.result()
 
     def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
         n = len(next(iter(inputs.values())))
@@ -460,12 +464,11 @@ class ModelInstances(RequestQueue):
         raise ShuttingDown(broken or f"model {self.name!r} is shutting down")
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Close every child, each finishing what it holds."""
-        threads = [threading.Thread(target=m.close, args=(timeout,)) for m in self.members]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        """Close every child at once, each finishing what it holds."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.members)) as pool:
+            list(pool.map(lambda m: m.close(timeout), self.members))
 
     def __enter__(self) -> "ModelInstances":
         self.start()
