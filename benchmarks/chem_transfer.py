@@ -203,6 +203,9 @@ def main() -> int:
     ap.add_argument("--screen-larger-molecules", type=int, default=8, help="screened by the network and xTB")
     ap.add_argument("--screen-larger-conformers", type=int, default=10)
     ap.add_argument("--until", choices=("simulate", "train", "all"), default="all")
+    ap.add_argument("--force-weight", type=float, default=None, help="app.force_weight of the training")
+    ap.add_argument("--variant", default="", help="train another run (runs/.../run-VARIANT) on the same data and add "
+                    "its accuracy on the test set under 'variants' in chem_transfer.json")
     ap.add_argument("--only-screening", action="store_true", help="rerun only the screening of a finished run and "
                     "replace its entry in chem_transfer.json")
     ap.add_argument("--results", type=Path, default=RESULTS)
@@ -214,11 +217,12 @@ def main() -> int:
         return 0
     app = ChemApp()
     store = ShardStore.open(train_dir)
-    cfg = ChemConfig(molecules=TRAIN_LIBRARY, level=args.level, temperature=args.temperature)
+    cfg = ChemConfig(molecules=TRAIN_LIBRARY, level=args.level, temperature=args.temperature,
+                     **({"force_weight": args.force_weight} if args.force_weight is not None else {}))
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
     tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
     t0 = time.perf_counter()
-    run = args.out / "run"
+    run = args.out / (f"run-{args.variant}" if args.variant else "run")
     history = finished_history(run, tcfg.epochs)
     if history is None:  # train, or resume an interrupted run
         result = train(app, cfg, tcfg, store.load(), run, resume=(run / "last.pt").exists(),
@@ -226,6 +230,23 @@ def main() -> int:
         history = result.history
     train_s = sum(h["seconds"] for h in history)
     if args.until == "train":
+        return 0
+    if args.variant:  # the same data and test set, another training: its accuracy beside the main result
+        model, _ = load_model(app, run)
+        names = [name for name, _ in test_molecules(args)]
+        n_atoms = max(ShardStore.open(args.out / "test" / n).load(["species"])["species"].shape[1] for n in names)
+        arrays = load_test(args, n_atoms)
+        e_pred, f_pred = predict(model.double(), arrays["species"], arrays["coordinates"])
+        entry = {"variant": args.variant, "force_weight": cfg.force_weight, "hidden": list(cfg.hidden),
+                 "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay")},
+                 "epochs_run": len(history), "train_wall_s": train_s,
+                 "relative_energy_mae_kcal_mol": relative_energy_mae(e_pred, arrays["energy"], arrays["molecule"]),
+                 **error_report(e_pred, f_pred, arrays["energy"], arrays["forces"], arrays["species"] > 0)}
+        path = args.results / "chem_transfer.json"
+        previous = json.loads(path.read_text())
+        previous["variants"] = [v for v in previous.get("variants", []) if v["variant"] != args.variant] + [entry]
+        print(json.dumps(entry, indent=1))
+        print("written", write_json(path, previous), file=sys.stderr)
         return 0
     if args.only_screening:
         path = args.results / "chem_transfer.json"

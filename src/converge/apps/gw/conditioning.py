@@ -52,14 +52,20 @@ class Conditioning:
         return max(4 * self.welch_s, 2 * self.pad_s + window_s)
 
 
-def segment_psd(data: StrainSet, segment: int, detector: str, cond: Conditioning) -> tuple[np.ndarray, np.ndarray]:
-    """(freqs [Hz], one-sided PSD [1/Hz]) of one detector's segment, averaged over equal blocks (module doc)."""
+def segment_psd(data: StrainSet, segment: int, detector: str, cond: Conditioning,
+                copy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(freqs [Hz], one-sided PSD [1/Hz]) of one detector's segment, averaged over equal blocks (module doc);
+    each block read is also written into ``copy`` (the segment's length), so that whitening need not read
+    (and decompress) the file again."""
     seg = data.segments[segment]
     n_blocks = max(1, int(round(seg.duration / cond.block_s)))
     edges = np.linspace(0, seg.n_samples, n_blocks + 1).astype(np.int64)
     total, weight, freqs = None, 0, None
     for lo, hi in zip(edges[:-1], edges[1:]):
-        freqs, psd = welch_psd(data.read(segment, detector, int(lo), int(hi)), seg.sample_rate, cond.welch_s)
+        block = data.read(segment, detector, int(lo), int(hi))
+        if copy is not None:
+            copy[lo:hi] = block
+        freqs, psd = welch_psd(block, seg.sample_rate, cond.welch_s)
         total = psd * (hi - lo) if total is None else total + psd * (hi - lo)
         weight += hi - lo
     return freqs, total / weight
@@ -102,6 +108,16 @@ def whiten_segment(data: StrainSet, segment: int, detector: str, fir: np.ndarray
             progress(stop - start)
 
 
+class _Copy:
+    """One segment of one detector as :func:`segment_psd` copied it: read like the file it came from."""
+
+    def __init__(self, data: StrainSet, raw: np.ndarray) -> None:
+        self.segments, self.raw = data.segments, raw
+
+    def read(self, segment: int, detector: str, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.raw[start:stop])
+
+
 @dataclass
 class WhitenedSegment:
     """One segment, each detector whitened into a float32 array (a memmap under ``work_dir``)."""
@@ -126,12 +142,16 @@ def whiten_strain_set(data: StrainSet, cond: Conditioning, work_dir: Path, detec
     for k, seg in enumerate(data.segments):
         channels, psds, firs = {}, {}, {}
         for det in detectors:
-            freqs, psd = segment_psd(data, k, det, cond)
+            raw_path = work_dir / f"seg{k}_{det}.raw.npy"  # read the file once: the PSD pass keeps a copy
+            raw = np.lib.format.open_memmap(raw_path, mode="w+", dtype=np.float64, shape=(seg.n_samples,))
+            freqs, psd = segment_psd(data, k, det, cond, copy=raw)
             fir = whitening_fir(freqs, psd, seg.sample_rate, cond.f_lower)
             mm = np.lib.format.open_memmap(work_dir / f"seg{k}_{det}.npy", mode="w+", dtype=np.float32,
                                            shape=(seg.n_samples,))
-            whiten_segment(data, k, det, fir, mm, int(cond.chunk_s * seg.sample_rate), progress)
+            whiten_segment(_Copy(data, raw), k, det, fir, mm, int(cond.chunk_s * seg.sample_rate), progress)
             mm.flush()
+            del raw
+            raw_path.unlink()
             channels[det], psds[det], firs[det] = mm, (freqs, psd), fir
         out.append(WhitenedSegment(seg.start, seg.sample_rate, valid_range(seg.n_samples, fir), channels, psds, firs))
     return out
