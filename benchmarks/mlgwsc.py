@@ -217,6 +217,17 @@ def latency(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, spee
     return out
 
 
+def link_matched_filter(work: Path, source: Path) -> None:
+    """The matched filter's finished files of another work folder on the same challenge files (its calibration,
+    searches, timing record and follow run), linked into ``work`` so that they are reused, not recomputed."""
+    names = [p.name for p in source.iterdir() if "matched_filter" in p.name or p.name == "mf_timing.json"]
+    if not names:
+        raise SystemExit(f"--matched-filter-from {source}: no matched-filter files there")
+    for name in names:
+        if not (work / name).exists():
+            (work / name).symlink_to(source.resolve() / name)
+
+
 def accumulate_stages(work: Path, stages: dict[str, float]) -> dict[str, float]:
     """Wall seconds spent in each stage over every invocation on ``work`` (a resumed run adds what it spent)."""
     path = work / "stage_seconds.json"
@@ -291,6 +302,8 @@ def main() -> None:
     ap.add_argument("--cnn-padding", choices=("valid", "same"), default="valid",
                     help="valid: the search scores each stretch's overlapping windows from one pass of the "
                          "convolutions (exact); same: window by window, zeros at the edges")
+    ap.add_argument("--matched-filter-from", type=Path, help="reuse the matched filter's results of another work "
+                    "folder searched on the same --data (two CNNs against one matched filter)")
     ap.add_argument("--data", type=Path, help="where the challenge's files are made (default: --work); two work "
                     "folders may share them")
     ap.add_argument("--follow-seconds", type=float, default=1200.0)
@@ -320,6 +333,8 @@ def main() -> None:
     calib = generate(data, "calibration", args.calibration_seed, args.calibration_duration)
     stages["data"] = time.perf_counter() - t
     t = time.perf_counter()
+    if args.matched_filter_from:
+        link_matched_filter(work, args.matched_filter_from)
     log("calibrate: timing on the calibration injections")
     records = calibrate(work, run, cfg, calib, methods)
     stages["calibrate"] = time.perf_counter() - t
