@@ -121,9 +121,7 @@ def run_searches(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], t
     for method in methods:
         paths = {"fg": work / f"{tag}_{method}_fg.hdf", "bg": work / f"{tag}_{method}_bg.hdf"}
         summaries = {}
-        jobs = [("fg", paths["fg"], 0, 1)] + [
-            ("bg", work / f"{tag}_{method}_bg_{first}.hdf", min(group, slides - first + 1), first)
-            for first in range(1, slides + 1, group)]
+        jobs = [("fg", paths["fg"], 0, 1)] + background_groups(work, f"{tag}_{method}_bg", slides, group)
         for kind, target, n, first in jobs:
             if target.is_file() and target.with_suffix(".json").is_file():
                 summaries.setdefault(kind, []).append(json.loads(target.with_suffix(".json").read_text()))
@@ -145,6 +143,24 @@ def run_searches(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], t
                                "seconds": sum(g["seconds"] for g in groups), "slides": slides, "first_slide": 1}
         out[method] = {"paths": paths, "summaries": summaries}
     return out
+
+
+def background_groups(work: Path, stem: str, slides: int, group: int) -> list[tuple[str, Path, int, int]]:
+    """("bg", file, n, first) of the groups covering slides 1..``slides``: a finished group file is kept with the
+    slides it holds (a run asked for more slides adds groups after it), new groups hold up to ``group``."""
+    jobs, first = [], 1
+    while first <= slides:
+        target, n = work / f"{stem}_{first}.hdf", min(group, slides - first + 1)
+        summary = target.with_suffix(".json")
+        if target.is_file() and summary.is_file():
+            held = int(json.loads(summary.read_text())["slides"])
+            if held > slides - first + 1:
+                raise SystemExit(f"{target} holds slides {first}..{first + held - 1}, more than the {slides} asked "
+                                 "for: ask for at least that many, or remove it")
+            n = held
+        jobs.append(("bg", target, n, first))
+        first += n
+    return jobs
 
 
 def calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], methods=METHODS) -> dict[str, dict]:
@@ -291,7 +307,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("runs/mlgwsc"))
     ap.add_argument("--duration", type=int, default=86400, help="test foreground (and background file) [s]")
-    ap.add_argument("--slides", type=int, default=30)
+    ap.add_argument("--slides", type=int, default=35, help="time slides of the background file: 35 of a day give "
+                    "35 days, enough to resolve 1 false alarm per month (30 slides of 86,380 s fall 600 s short)")
     ap.add_argument("--slide-step", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=20230, help="the challenge generator's seed of the test files")
     ap.add_argument("--calibration-seed", type=int, default=20231)
