@@ -67,11 +67,12 @@ def main() -> int:
         print(f"{label}: {run}", file=sys.stderr)
         reports[label] = run_serve_benchmark(run, cfg)
         print(json.dumps({label: headline(reports[label])}, indent=2))
-    previous = args.out / "serve.json"
-    if not args.replace and previous.is_file():
-        reports = {**{k: v for k, v in json.loads(previous.read_text()).items() if k not in reports}, **reports}
-    json_path, png_path = write_results(reports, args.out)
-    print(f"written {json_path} and {png_path}", file=sys.stderr)
+        # written after each app, so that an app that fails later loses nothing measured before it
+        previous = args.out / "serve.json"
+        kept = json.loads(previous.read_text()) if not args.replace and previous.is_file() else {}
+        json_path, png_path = write_results({**{k: v for k, v in kept.items() if k not in reports}, **reports},
+                                            args.out)
+        print(f"written {json_path} and {png_path}", file=sys.stderr)
     return 0
 
 
