@@ -276,7 +276,9 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
             try:
                 peers[peer] = measure_peer(peer, run_dir, config["app"], signature, samples, reference, precision,
                                            load, cfg, logs, threads)
-            except PeerError as err:  # ours is measured: keep it, say why this peer is missing
+            # ours is measured: keep it, say why this peer is missing (ValueError: a signature the peer cannot
+            # declare, e.g. Triton and chem's variable atom axis)
+            except (PeerError, ValueError) as err:
                 print(f"error: {err}", file=sys.stderr)
                 peers[peer] = {"peer": peer, "error": str(err)}
     batched = tuple(m.name for m in cfg.modes if m.batched) or (max(cfg.modes, key=lambda m: m.max_batch_size).name,)
