@@ -155,6 +155,16 @@ def speed(cfg: ChemConfig, model, arrays: dict[str, np.ndarray], n_dft: int) -> 
             "speedup_single": dft / single, "speedup_batched": dft / batched, "threads": torch.get_num_threads()}
 
 
+def test_predictions(args: argparse.Namespace, app, run: Path) -> tuple[list[str], dict, np.ndarray, np.ndarray]:
+    """The test molecules' names, their padded DFT arrays, and the run's energies and forces on them (float64)."""
+    model, _ = load_model(app, run)
+    names = [name for name, _ in test_molecules(args)]
+    n_atoms = max(ShardStore.open(args.out / "test" / n).load(["species"])["species"].shape[1] for n in names)
+    arrays = load_test(args, n_atoms)
+    e_pred, f_pred = predict(model.double(), arrays["species"], arrays["coordinates"])
+    return names, arrays, e_pred, f_pred
+
+
 def screen_methods(args: argparse.Namespace, run: Path, n_molecules: int, conformers: int, methods, tag: str) -> dict:
     """Molecules per second of a conformer search (embedding, optimisation, ranking) by each of ``methods`` on the
     first ``n_molecules`` test molecules with ``conformers`` ETKDG conformers each, back to back."""
@@ -232,11 +242,7 @@ def main() -> int:
     if args.until == "train":
         return 0
     if args.variant:  # the same data and test set, another training: its accuracy beside the main result
-        model, _ = load_model(app, run)
-        names = [name for name, _ in test_molecules(args)]
-        n_atoms = max(ShardStore.open(args.out / "test" / n).load(["species"])["species"].shape[1] for n in names)
-        arrays = load_test(args, n_atoms)
-        e_pred, f_pred = predict(model.double(), arrays["species"], arrays["coordinates"])
+        names, arrays, e_pred, f_pred = test_predictions(args, app, run)
         entry = {"variant": args.variant, "force_weight": cfg.force_weight, "hidden": list(cfg.hidden),
                  "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay")},
                  "epochs_run": len(history), "train_wall_s": train_s,
@@ -255,12 +261,7 @@ def main() -> int:
         print(json.dumps(previous["screening"], indent=1))
         print("written", write_json(path, previous), file=sys.stderr)
         return 0
-    model, _ = load_model(app, run)
-    model = model.double()
-    names = [name for name, _ in test_molecules(args)]
-    n_atoms = max(ShardStore.open(args.out / "test" / n).load(["species"])["species"].shape[1] for n in names)
-    arrays = load_test(args, n_atoms)
-    e_pred, f_pred = predict(model, arrays["species"], arrays["coordinates"])
+    names, arrays, e_pred, f_pred = test_predictions(args, app, run)
     t0 = time.perf_counter()
     e_xtb, f_xtb = xtb_baseline(arrays)
     xtb_s = time.perf_counter() - t0

@@ -98,14 +98,11 @@ def train_cnn(work: Path, args) -> Path:
     data, run = work / "train_data", work / "run"
     done = work / ".trained"
     if not done.is_file():
-        try:  # a complete store (another work folder's, linked here) is used as it is
-            arrays = ShardStore.open(data).load()
-        except Exception:  # noqa: BLE001 - absent or unfinished: simulate (complete shards are kept)
-            arrays = None
-        if arrays is None or len(next(iter(arrays.values()))) < args.train_samples:
-            run_ensemble(app, GWConfig.mlgwsc1(1), SimulateConfig(samples=args.train_samples, seed=args.train_seed,
-                                                                  workers=1, shard_size=1000), data, progress=False)
-            arrays = ShardStore.open(data).load()
+        # the store holds the population alone (network settings such as conv_padding do not enter it);
+        # complete shards, another work folder's linked here included, are kept
+        run_ensemble(app, GWConfig.mlgwsc1(1), SimulateConfig(samples=args.train_samples, seed=args.train_seed,
+                                                              workers=1, shard_size=1000), data, progress=False)
+        arrays = ShardStore.open(data).load()
         result = train(app, cfg, TrainConfig(epochs=args.epochs, batch_size=128, seed=args.train_seed), arrays,
                        run, resume=(run / "last.pt").exists(), progress=False, extra_config={"data": str(data)})
         done.write_text(json.dumps({"samples": args.train_samples, "epochs": args.epochs,

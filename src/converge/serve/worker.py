@@ -408,8 +408,8 @@ class ModelInstances(RequestQueue):
     ``count``: each request goes to the child holding the fewest samples, so that one batch runs while the
     other forms (on a CPU, one torch thread per child: as many children as cores, less the server's share).
 
-    A child that dies is restarted by its own batcher and fails only its own batch; a full child passes the
-    request to the next, and the pool is full only when every child is."""
+    A child that dies is restarted by its own batcher and fails only its own batch; ``max_queue_size`` bounds
+    the samples held by all the children together."""
 
     def __init__(self, loader: Callable, config: BatchConfig = BatchConfig(), name: str = "model",
                  on_batch: Callable[[BatchRecord], None] | None = None, start: bool = True, threads: int = 1,
