@@ -45,16 +45,17 @@ ANCHORS = {"ani1x_comp6": {"relative_energy_mae_kcal_mol": 1.85, "force_mae_kcal
 TARGETS = {"relative_energy_mae_kcal_mol": 1.5, "force_mae_kcal_mol_A": 3.0}
 
 
-def stage_seconds(args: argparse.Namespace, stage: str, seconds: float, computed: bool) -> float:
-    """Wall seconds of a stage: this call's when it computed anything, else the first run's (``stages.json``); a run
-    from before that file existed is timed by its shard files' modification times (first to last)."""
+def stage_seconds(args: argparse.Namespace, stage: str, seconds: float, computed: bool, grown: bool = False) -> float:
+    """Wall seconds of a stage: this call's when it computed anything (added to the earlier calls' when it grew
+    or finished a stored dataset, ``grown``), else the first run's (``stages.json``); a run from before that file
+    existed is timed by its shard files' modification times (first to last)."""
     path = args.out / "stages.json"
     found = json.loads(path.read_text()) if path.is_file() else {}
     if computed or stage not in found:
         if not computed:
             times = sorted(p.stat().st_mtime for p in (args.out / stage).rglob("*.h5"))
             seconds = times[-1] - times[0] if len(times) > 1 else seconds
-        found[stage] = seconds
+        found[stage] = seconds + (found.get(stage, 0.0) if computed and grown else 0.0)
         path.write_text(json.dumps(found, indent=2))
     return float(found[stage])
 
@@ -66,7 +67,8 @@ def simulate_train(args: argparse.Namespace) -> tuple[Path, float]:
                                                       shard_size=20), args.out / "train", progress=True)
     if res.n_failed:
         print(f"train: {res.n_failed} DFT failures recorded: {res.failures[:3]}", file=sys.stderr)
-    return args.out / "train", stage_seconds(args, "train", time.perf_counter() - t0, res.shards_computed > 0)
+    return args.out / "train", stage_seconds(args, "train", time.perf_counter() - t0, res.shards_computed > 0,
+                                             grown=res.shards_skipped > 0)
 
 
 def test_molecules(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -165,6 +167,35 @@ def test_predictions(args: argparse.Namespace, app, run: Path) -> tuple[list[str
     return names, arrays, e_pred, f_pred
 
 
+def test_errors(arrays: dict[str, np.ndarray], e_pred: np.ndarray, f_pred: np.ndarray) -> dict:
+    return {"relative_energy_mae_kcal_mol": relative_energy_mae(e_pred, arrays["energy"], arrays["molecule"]),
+            **error_report(e_pred, f_pred, arrays["energy"], arrays["forces"], arrays["species"] > 0)}
+
+
+def write_variant(args: argparse.Namespace, entry: dict) -> int:
+    """Put ``entry`` under ``variants`` of chem_transfer.json (replacing one of the same name)."""
+    path = args.results / "chem_transfer.json"
+    previous = json.loads(path.read_text())
+    previous["variants"] = [v for v in previous.get("variants", []) if v["variant"] != entry["variant"]] + [entry]
+    print(json.dumps(entry, indent=1))
+    print("written", write_json(path, previous), file=sys.stderr)
+    return 0
+
+
+def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
+    """The committee of ``runs`` (finished trainings on the same data): its mean energies and forces on the test."""
+    unfinished = [str(r) for r in runs if finished_history(r, 1) is None]
+    if len(runs) < 2 or unfinished:
+        why = f"not finished: {', '.join(unfinished)}" if unfinished else "one given"
+        raise SystemExit(f"--members: give two or more finished runs ({why})")
+    predictions = [test_predictions(args, app, run) for run in runs]
+    arrays = predictions[0][1]
+    e_pred = np.mean([p[2] for p in predictions], axis=0)
+    f_pred = np.mean([p[3] for p in predictions], axis=0)
+    members = [{"run": run.name, **test_errors(arrays, p[2], p[3])} for run, p in zip(runs, predictions)]
+    return write_variant(args, {"variant": args.variant, "members": members, **test_errors(arrays, e_pred, f_pred)})
+
+
 def screen_methods(args: argparse.Namespace, run: Path, n_molecules: int, conformers: int, methods, tag: str) -> dict:
     """Molecules per second of a conformer search (embedding, optimisation, ranking) by each of ``methods`` on the
     first ``n_molecules`` test molecules with ``conformers`` ETKDG conformers each, back to back."""
@@ -213,7 +244,12 @@ def main() -> int:
     ap.add_argument("--screen-larger-molecules", type=int, default=8, help="screened by the network and xTB")
     ap.add_argument("--screen-larger-conformers", type=int, default=10)
     ap.add_argument("--until", choices=("simulate", "train", "all"), default="all")
-    ap.add_argument("--force-weight", type=float, default=None, help="app.force_weight of the training")
+    ap.add_argument("--force-weight", type=float, default=1.0,
+                    help="app.force_weight of the training (the app's default, 0.1, is for one molecule; over "
+                         "chemical space 1.0 did better: see the fw variants in chem_transfer.json)")
+    ap.add_argument("--seed", type=int, default=0, help="training seed (initial weights, batches, split)")
+    ap.add_argument("--members", default="", help="with --variant: no training; the mean prediction of these "
+                                                  "finished runs (comma-separated folder names under --out)")
     ap.add_argument("--variant", default="", help="train another run (runs/.../run-VARIANT) on the same data and add "
                     "its accuracy on the test set under 'variants' in chem_transfer.json")
     ap.add_argument("--only-screening", action="store_true", help="rerun only the screening of a finished run and "
@@ -228,11 +264,16 @@ def main() -> int:
     app = ChemApp()
     store = ShardStore.open(train_dir)
     cfg = ChemConfig(molecules=TRAIN_LIBRARY, level=args.level, temperature=args.temperature,
-                     **({"force_weight": args.force_weight} if args.force_weight is not None else {}))
+                     force_weight=args.force_weight)
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
+    overrides["seed"] = args.seed
     tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
     t0 = time.perf_counter()
     run = args.out / (f"run-{args.variant}" if args.variant else "run")
+    if args.members:
+        if not args.variant:
+            ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
+        return ensemble_variant(args, app, [args.out / m.strip() for m in args.members.split(",") if m.strip()])
     history = finished_history(run, tcfg.epochs)
     if history is None:  # train, or resume an interrupted run
         result = train(app, cfg, tcfg, store.load(), run, resume=(run / "last.pt").exists(),
@@ -244,16 +285,10 @@ def main() -> int:
     if args.variant:  # the same data and test set, another training: its accuracy beside the main result
         names, arrays, e_pred, f_pred = test_predictions(args, app, run)
         entry = {"variant": args.variant, "force_weight": cfg.force_weight, "hidden": list(cfg.hidden),
-                 "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay")},
-                 "epochs_run": len(history), "train_wall_s": train_s,
-                 "relative_energy_mae_kcal_mol": relative_energy_mae(e_pred, arrays["energy"], arrays["molecule"]),
-                 **error_report(e_pred, f_pred, arrays["energy"], arrays["forces"], arrays["species"] > 0)}
-        path = args.results / "chem_transfer.json"
-        previous = json.loads(path.read_text())
-        previous["variants"] = [v for v in previous.get("variants", []) if v["variant"] != args.variant] + [entry]
-        print(json.dumps(entry, indent=1))
-        print("written", write_json(path, previous), file=sys.stderr)
-        return 0
+                 "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")},
+                 "n_conformers": len(store), "epochs_run": len(history), "train_wall_s": train_s,
+                 **test_errors(arrays, e_pred, f_pred)}
+        return write_variant(args, entry)
     if args.only_screening:
         path = args.results / "chem_transfer.json"
         previous = json.loads(path.read_text())
@@ -282,8 +317,7 @@ def main() -> int:
                  "conformers_per_molecule": args.test_conformers, "n_conformers": int(len(arrays["energy"])),
                  "simulate_wall_s": test_sim_s, "level_of_theory": cfg.level_of_theory,
                  "overlap_with_train": sorted(set(names) & {m.name for m in train_mols})},
-        "network": {"relative_energy_mae_kcal_mol": relative_energy_mae(e_pred, arrays["energy"], arrays["molecule"]),
-                    **error_report(e_pred, f_pred, arrays["energy"], arrays["forces"], real)},
+        "network": {**test_errors(arrays, e_pred, f_pred), "force_weight": cfg.force_weight},
         "gfn2_xtb": {"relative_energy_mae_kcal_mol": relative_energy_mae(e_xtb, arrays["energy"], arrays["molecule"]),
                      **error_report(e_xtb, f_xtb, arrays["energy"], arrays["forces"], real), "wall_s": xtb_s,
                      "note": "absolute energies after per-element offsets fitted on the test labels"},

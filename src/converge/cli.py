@@ -90,8 +90,9 @@ def simulate_cmd(
     """Run an ensemble of the app's simulator into a sharded dataset.
 
     Interrupted runs resume: run the same command again and only missing shards
-    are computed. Failed samples are retried, then recorded, and the command
-    exits with status 1 naming them.
+    are computed. A larger --samples grows a finished dataset by the new samples
+    only. Failed samples are retried, then recorded, and the command exits with
+    status 1 naming them.
     """
     from .contract import load_app
     from .simulate.executors import ClusterConfig

@@ -121,7 +121,10 @@ def test_triton_config_declares_our_signature_with_dynamic_batching(tmp_path):
     assert "dims: [9, 3] }" in chem and "data_type: TYPE_INT64 dims: [9] }" in chem
     assert '{ name: "energy" data_type: TYPE_FP64 dims: [1] reshape: { shape: [] } }' in chem
     assert "max_queue_delay_microseconds: 0 }" in chem
-    with pytest.raises(ValueError, match="tensor 'x': shape \\[-1, -1\\]: Triton needs fixed sizes"):
-        triton_tensor("x", "FP32", (-1, -1))
+    # chemical space: a variable atom axis is Triton's -1 too
+    assert triton_tensor("coordinates", "FP32", (-1, -1, 3)) == (
+        '{ name: "coordinates" data_type: TYPE_FP32 dims: [-1, 3] }')
+    with pytest.raises(ValueError, match="tensor 'x': shape \\[-1, 0\\]: Triton takes sizes >= 1 or -1"):
+        triton_tensor("x", "FP32", (-1, 0))
     with pytest.raises(ValueError, match="tensor 'x': datatype 'BYTES' has no Triton type here"):
         triton_tensor("x", "BYTES", (-1, 4))

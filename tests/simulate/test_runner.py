@@ -227,6 +227,23 @@ def test_a_store_made_before_a_setting_existed_resumes_at_its_default(baseline: 
         simulate(out, t_max=5.0)  # another value is another dataset
 
 
+def test_a_dataset_grows_to_more_samples_and_never_shrinks(baseline: Path, tmp_path: Path) -> None:
+    def run(samples: int):
+        cfg = SimulateConfig(samples=samples, seed=7, shard_size=SHARD_SIZE, workers=1)
+        return run_ensemble(OscillatorApp(), OscillatorConfig(), cfg, tmp_path, progress=False)
+
+    first = run(14)  # shards 0-1 full, shard 2 short (samples 12-13)
+    assert first.computed_ids == (0, 1, 2) and first.complete
+    kept = {k: (tmp_path / "shards" / f"shard-0000{k}.h5").stat().st_mtime_ns for k in (0, 1)}
+    grown = run(SAMPLES)
+    assert grown.computed_ids == (2, 3) and grown.skipped_ids == (0, 1) and grown.complete
+    assert {k: (tmp_path / "shards" / f"shard-0000{k}.h5").stat().st_mtime_ns for k in (0, 1)} == kept
+    assert tree_bytes(tmp_path) == tree_bytes(baseline)  # the same dataset as one run of 20
+    with pytest.raises(StoreError, match=r"n_samples: stored 20, requested 12.*grow, never shrink"):
+        run(12)
+    assert tree_bytes(tmp_path) == tree_bytes(baseline)
+
+
 def test_a_killed_worker_does_not_stop_the_run(baseline: Path, tmp_path: Path) -> None:
     marker = tmp_path / "killed"
     result = simulate(tmp_path / "data", kill_marker=str(marker))

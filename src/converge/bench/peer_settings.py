@@ -144,12 +144,15 @@ def triton_tensor(name: str, datatype: str, shape: Sequence[int]) -> str:
     """One config.pbtxt tensor of a batched model: ``shape`` is ours, batch first (-1).
 
     Triton cannot batch a scalar per sample (``dims: []`` is refused), so a ``(-1,)`` tensor is declared
-    ``dims: [1]`` with the model's own shape ``reshape: []``: clients get it as ``(n, 1)``."""
+    ``dims: [1]`` with the model's own shape ``reshape: []``: clients get it as ``(n, 1)``. A variable axis
+    past the batch (chem's atoms) is ``-1`` there too: Triton's dynamic batcher then batches only requests
+    of one shape (without ragged batching), as our batcher batches molecules of one atom count together."""
     if datatype not in TRITON_DATATYPES:
         raise ValueError(f"tensor {name!r}: datatype {datatype!r} has no Triton type here")
     dims = list(shape[1:])
-    if any(d < 1 for d in dims):
-        raise ValueError(f"tensor {name!r}: shape {list(shape)}: Triton needs fixed sizes past the batch axis")
+    if any(d < 1 and d != -1 for d in dims):
+        raise ValueError(f"tensor {name!r}: shape {list(shape)}: Triton takes sizes >= 1 or -1 (variable) "
+                         "past the batch axis")
     body = f"name: {json.dumps(name)} data_type: {TRITON_DATATYPES[datatype]} dims: {dims or [1]}"
     return "{ " + body + (" reshape: { shape: [] }" if not dims else "") + " }"
 

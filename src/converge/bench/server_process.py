@@ -36,10 +36,10 @@ class ServerProcess:
 
     def __init__(self, run_dir: Path, name: str, max_batch_size: int, log_path: Path, device: str = "cpu",
                  startup_timeout_s: float = 180.0, threads: int = 1, model_process: bool = True,
-                 instances: int = 1) -> None:
+                 instances: int = 1, max_queue_delay_us: int = 0) -> None:
         self.run_dir, self.name, self.max_batch_size, self.log_path = Path(run_dir), name, max_batch_size, log_path
         self.device, self.startup_timeout_s, self.threads = device, startup_timeout_s, threads
-        self.model_process, self.instances = model_process, instances
+        self.model_process, self.instances, self.max_queue_delay_us = model_process, instances, max_queue_delay_us
         self.url = ""
         self._proc: subprocess.Popen | None = None
 
@@ -49,7 +49,8 @@ class ServerProcess:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "converge", "serve", f"{self.name}={self.run_dir}", "--host", "127.0.0.1",
-               "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us", "0",
+               "--port", str(port), "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us",
+               str(self.max_queue_delay_us),
                "--device", self.device, "--model-process" if self.model_process else "--no-model-process",
                "--instances", str(self.instances)]
         with open(self.log_path, "wb") as log:

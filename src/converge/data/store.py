@@ -99,12 +99,17 @@ class ShardStore:
         ``header`` holds ``app``, ``app_config``, ``simulate``, ``seed``,
         ``n_samples``, ``shard_size``, ``schema`` (see :func:`schema_to_json`) and
         ``versions``. An existing store must agree on all but ``simulate`` and
-        ``versions`` (those differing only warn).
+        ``versions`` (those differing only warn), and ``n_samples``, which may
+        grow: sample ``i`` draws from ``[seed, i]`` whatever the total, so the
+        written shards stay and only the new samples are computed (a short last
+        shard is recomputed at its full size).
         """
         root = Path(root)
         header = _check_header(header)
         if (root / MANIFEST).exists():
             store = cls.open(root)
+            if _only_grows(store.manifest, header):
+                store._grow(int(header["n_samples"]), header.get("simulate"))
             _compare_headers(store.manifest, header, root)
             store.writable = True
             store._remove_stale_temps()
@@ -253,6 +258,18 @@ class ShardStore:
             out[name] = value.astype(spec["dtype"], copy=False)
         return out
 
+    def _grow(self, n_samples: int, simulate: Mapping[str, Any] | None) -> None:
+        """Extend the manifest to ``n_samples`` samples (and ``simulate``'s count); the new shards are unwritten."""
+        old_shards = self.manifest["shards"]
+        if self.n_samples % self.shard_size and old_shards[-1] is not None:
+            old_shards[-1] = None  # its range grows with the total, so it is computed again
+        n_shards = math.ceil(n_samples / self.shard_size)
+        self.manifest.update(n_samples=n_samples, n_shards=n_shards,
+                             shards=old_shards + [None] * (n_shards - len(old_shards)))
+        if isinstance(self.manifest.get("simulate"), dict) and simulate and "samples" in simulate:
+            self.manifest["simulate"]["samples"] = simulate["samples"]
+        self._write_manifest()
+
     def _write_manifest(self) -> None:
         atomic_write_bytes(self.root / MANIFEST, json_bytes(self.manifest))
 
@@ -381,12 +398,19 @@ def _check_header(header: Mapping[str, Any]) -> dict[str, Any]:
     return header
 
 
+def _only_grows(stored: Mapping[str, Any], header: Mapping[str, Any]) -> bool:
+    """Whether ``header`` asks for more samples of the stored dataset and nothing else."""
+    differ = [k for k in IDENTITY_KEYS if stored.get(k) != header[k]]
+    return differ == ["n_samples"] and int(header["n_samples"]) > int(stored["n_samples"])
+
+
 def _compare_headers(stored: Mapping[str, Any], header: Mapping[str, Any], root: Path) -> None:
     differ = [k for k in IDENTITY_KEYS if stored.get(k) != header[k]]
     if differ:
         detail = "; ".join(f"{k}: stored {stored.get(k)!r}, requested {header[k]!r}" for k in differ)
+        fewer = " (a dataset can grow, never shrink)" if differ == ["n_samples"] else ""
         raise StoreError(
-            f"{root} holds a dataset made with other settings ({detail}); "
+            f"{root} holds a dataset made with other settings ({detail}){fewer}; "
             f"use another --out, or delete {root} to start over"
         )
     for key in ("simulate", "versions"):
