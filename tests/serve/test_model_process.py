@@ -180,6 +180,25 @@ def test_instances_answer_as_one_process_and_share_the_load(models):
     assert not pool.running and not any(m.alive for m in pool.members)
 
 
+def test_while_every_instance_runs_a_batch_requests_wait_and_the_first_free_takes_them_as_one(models):
+    model, records = models.make(), []
+    config = BatchConfig(max_batch_size=8, model_process=True, instances=2)
+    with ModelInstances(model.loader, config, model.name, on_batch=records.append) as pool:
+        slow = [pool.submit({"x": batch(1, first=-2.0)})]  # one child busy for 0.5 s
+        time.sleep(0.15)
+        slow.append(pool.submit({"x": batch(1, first=-2.0)}))  # the other child: both busy
+        time.sleep(0.15)
+        assert all(m.busy for m in pool.members)
+        waiting = [pool.submit({"x": batch(1, first=float(i))}) for i in range(6)]
+        assert pool._held_samples == 6 and pool.queued_samples == 8  # here, not in either child
+        for i, f in enumerate(waiting):
+            np.testing.assert_array_equal(f.result(10)["y"], model.predict({"x": batch(1, first=float(i))})["y"])
+        for f in slow:
+            f.result(10)
+        assert pool.queued_samples == 0
+    assert sorted(r.samples for r in records) == [1, 1, 6]  # the six went as one batch to the first child free
+
+
 def test_instances_bound_the_queue_as_one_model_and_survive_a_crash(models):
     model = models.make()
     config = BatchConfig(max_batch_size=2, max_queue_size=4, model_process=True, instances=2)

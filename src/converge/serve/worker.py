@@ -35,8 +35,8 @@ from typing import Callable, Hashable, Mapping
 
 import numpy as np
 
-from .batcher import (BatchConfig, BatchFailed, BatchRecord, Pending, RequestQueue, RequestTimeout, ShuttingDown,
-                      collect_batch, hand_over, predict_batch, shape_key, split_outputs)
+from .batcher import (BatchConfig, BatchFailed, BatchRecord, Pending, QueueFull, RequestQueue, RequestTimeout,
+                      ShuttingDown, collect_batch, hand_over, predict_batch, shape_key, split_outputs)
 
 READY_TIMEOUT_S = 300.0
 
@@ -216,6 +216,7 @@ class ProcessBatcher(RequestQueue):
         self._proc = self._feed = self._results = None
         self._reader: threading.Thread | None = None
         self.restarts = 0
+        self.on_idle: Callable[[ProcessBatcher], None] | None = None  # called when a batch ends (reader thread)
         if start:
             self.start()
 
@@ -274,8 +275,18 @@ class ProcessBatcher(RequestQueue):
         if old is not None:
             old.close()
 
+    @property
+    def busy(self) -> bool:
+        """Whether the child is running a batch now (between its "start" and its answer)."""
+        return bool(self._started)
+
     def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
         pending = self._pending(inputs, waiter)
+        self._put(pending)
+        return pending
+
+    def _put(self, pending: Pending) -> None:
+        """Hand ``pending`` to the child (or raise :class:`ShuttingDown` / :class:`QueueFull`)."""
         with self._lock:
             if self._closing or self._broken:
                 raise ShuttingDown(f"model {self.name!r} is shutting down" if self._closing else self._broken)
@@ -285,7 +296,6 @@ class ProcessBatcher(RequestQueue):
             self._inflight[request_id] = pending
             self._queued_samples += pending.n
             self._feed.put((request_id, pending.inputs, pending.n, pending.arrived))
-        return pending
 
     def _pop(self, ids) -> dict[int, Pending]:
         """Forget the requests ``ids`` (those still here), by id."""
@@ -310,6 +320,7 @@ class ProcessBatcher(RequestQueue):
             except (EOFError, OSError):
                 if not self._child_died():
                     return
+                self._idle()
                 continue
             kind, ids = message[0], message[1]
             if kind == "start":
@@ -330,6 +341,12 @@ class ProcessBatcher(RequestQueue):
                 self._settle(self._pop(ids), lambda p, i: p.future.set_exception(RequestTimeout(
                     f"model {self.name!r}: request waited longer than its timeout ({self.config.timeout_s:g} s) "
                     "in the queue")))
+            if kind != "start":
+                self._idle()
+
+    def _idle(self) -> None:
+        if self.on_idle is not None and not self.busy:
+            self.on_idle(self)
 
     def _observe(self, record: BatchRecord) -> None:
         if self.on_batch is not None:
@@ -405,11 +422,15 @@ class ProcessBatcher(RequestQueue):
 
 class ModelInstances(RequestQueue):
     """``config.instances`` :class:`ProcessBatcher` children of one model, as Triton's ``instance_group``
-    ``count``: each request goes to the child holding the fewest samples, so that one batch runs while the
-    other forms (on a CPU, one torch thread per child: as many children as cores, less the server's share).
+    ``count``, fed as Triton feeds them: a request goes to a child that is not running a batch (it collects
+    its batch as one process would, ``max_queue_delay_us`` included); while every child runs one, requests
+    wait here, and the first child to finish takes them all (up to ``max_batch_size`` samples) as its next
+    batch. So one batch runs while the next forms, and batches stay as large as one process would make
+    them (handing each request to the least busy child halved them). On a CPU, one torch thread per child:
+    as many children as cores, less the server's share.
 
     A child that dies is restarted by its own batcher and fails only its own batch; ``max_queue_size`` bounds
-    the samples held by all the children together."""
+    the samples held here and by all the children together."""
 
     def __init__(self, loader: Callable, config: BatchConfig = BatchConfig(), name: str = "model",
                  on_batch: Callable[[BatchRecord], None] | None = None, start: bool = True, threads: int = 1,
@@ -419,13 +440,19 @@ class ModelInstances(RequestQueue):
         self.config, self.name, self.clock = config, name, time.monotonic
         self.members = [ProcessBatcher(loader, config, name, on_batch, start=False, threads=threads,
                                        ready_timeout_s=ready_timeout_s) for _ in range(config.instances)]
+        for member in self.members:
+            member.on_idle = self._member_idle
+        self._lock = threading.Lock()
+        self._held: deque[Pending] = deque()  # while every child runs a batch
+        self._held_samples = 0
+        self._closing = False
         self._turn = itertools.count()
         if start:
             self.start()
 
     @property
     def _queued_samples(self) -> int:
-        return sum(m.queued_samples for m in self.members)
+        return self._held_samples + sum(m.queued_samples for m in self.members)
 
     @property
     def pids(self) -> list[int | None]:
@@ -448,25 +475,68 @@ class ModelInstances(RequestQueue):
                 done.result()
 
     def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
-        n = len(next(iter(inputs.values())))
-        if self._queued_samples + n > self.config.max_queue_size:  # the limit is the model's, not each child's
-            raise self._queue_full(self._queued_samples)
-        turn = next(self._turn)  # ties go round the children
-        order = sorted(range(len(self.members)),
-                       key=lambda i: (self.members[i].queued_samples, (i - turn) % len(self.members)))
-        for i in order:
-            if self.members[i].running:
+        pending = self._pending(inputs, waiter)
+        with self._lock:
+            if self._queued_samples + pending.n > self.config.max_queue_size:  # the model's limit, not a child's
+                raise self._queue_full(self._queued_samples)
+            running = [m for m in self.members if m.running] if not self._closing else []
+            if not running:
+                broken = next((m._broken for m in self.members if m._broken), None)
+                raise ShuttingDown(broken or f"model {self.name!r} is shutting down")
+            free = [m for m in running if not m.busy]
+            if not free:
+                self._held.append(pending)
+                self._held_samples += pending.n
+                return pending
+            turn = next(self._turn)  # among free children: the one holding fewest, ties round the children
+            member = min(free, key=lambda m: (m.queued_samples, (self.members.index(m) - turn) % len(self.members)))
+            try:
+                member._put(pending)
+            except ShuttingDown:  # closed or broken between the check and the call: wait for another
+                self._held.append(pending)
+                self._held_samples += pending.n
+        return pending
+
+    def _member_idle(self, member: ProcessBatcher) -> None:
+        """A child ended a batch: the requests held here become its next one (the child's reader thread)."""
+        with self._lock:
+            if not member.running:
+                if not any(m.running for m in self.members):
+                    self._fail_held(member._broken or f"model {self.name!r} stopped before answering")
+                return
+            room = self.config.max_batch_size - member.queued_samples
+            while self._held and self._held[0].n <= room:
                 try:
-                    return self.members[i]._enqueue(inputs, waiter)
-                except ShuttingDown:  # closed or broken between the check and the call: the next one
-                    continue
-        broken = next((m._broken for m in self.members if m._broken), None)
-        raise ShuttingDown(broken or f"model {self.name!r} is shutting down")
+                    member._put(self._held[0])
+                except (ShuttingDown, QueueFull):  # closing or broken since the check: another child takes them
+                    return
+                pending = self._held.popleft()
+                self._held_samples -= pending.n
+                room -= pending.n
+
+    def _fail_held(self, why: str) -> None:
+        held, self._held, self._held_samples = list(self._held), deque(), 0
+        err = ShuttingDown(why)
+        for p in held:
+            if p.future.set_running_or_notify_cancel():
+                p.future.set_exception(err)
+        hand_over(held)
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Close every child at once, each finishing what it holds."""
+        """Close every child at once, each finishing what it holds (the requests held here included)."""
         from concurrent.futures import ThreadPoolExecutor
 
+        with self._lock:
+            self._closing = True
+            running = [m for m in self.members if m.running]
+            for k, pending in enumerate(list(self._held) if running else []):  # the children finish them
+                try:
+                    running[k % len(running)]._put(pending)
+                except (ShuttingDown, QueueFull):
+                    break
+                self._held.popleft()
+                self._held_samples -= pending.n
+            self._fail_held(f"model {self.name!r} stopped before answering")
         with ThreadPoolExecutor(len(self.members)) as pool:
             list(pool.map(lambda m: m.close(timeout), self.members))
 
