@@ -3,15 +3,17 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chem_transfer.py --out runs/chem-transfer
 
 Training set: normal-mode conformers (300 K, GFN2-xTB modes around the xTB minimum of the
-RDKit ETKDG embedding) spread over the library ``chno_1to4`` (closed-shell neutral CHNO
-molecules with 1-4 heavy atoms), DFT energies and forces at the ``fast`` level. Test set:
-``--test-conformers`` conformers of each of the first ``--test-molecules`` molecules of
-``chno_5to7`` (5-7 heavy atoms, none in training), drawn the same way and labelled at the same
-level. The potential (ANI-1x AEVs and element networks, self-energies fitted over all
-training molecules) is trained with the CLI's defaults unless overridden here, and judged on
-the unseen molecules: conformer energies relative to each molecule's mean, and forces, beside
-GFN2-xTB (its per-element offsets fitted on the test labels: generous to it). Every stage
-resumes. Writes ``benchmarks/results/chem_transfer.json`` and ``chem_transfer.png``.
+RDKit ETKDG embedding) spread over the library ``chno_1to4_ext`` (closed-shell neutral CHNO
+molecules with 1-4 heavy atoms: ``chno_1to4`` and the conjugated chains and small rings it
+lacks, ``chno_1to4_conj``; ``--library chno_1to4`` leaves those out), DFT energies and forces
+at the ``fast`` level. Test set: ``--test-conformers`` conformers of each of the first
+``--test-molecules`` molecules of ``chno_5to7`` (5-7 heavy atoms, none in training), drawn the
+same way and labelled at the same level. The potential (ANI-1x AEVs and element networks,
+self-energies fitted over all training molecules) is trained with the CLI's defaults but
+``app.force_weight=1.0`` (``--force-weight``), and judged on the unseen molecules: conformer
+energies relative to each molecule's mean, and forces, beside GFN2-xTB (its per-element offsets
+fitted on the test labels: generous to it). Every stage resumes; a larger ``--train`` grows the
+training set. Writes ``benchmarks/results/chem_transfer.json`` and ``chem_transfer.png``.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ from converge.train.loop import TrainConfig, load_model, train
 from converge.units import hartree_to_kcal_mol
 
 RESULTS = Path(__file__).parent / "results"
-TRAIN_LIBRARY, TEST_LIBRARY = "chno_1to4", "chno_5to7"
+TRAIN_LIBRARY, TEST_LIBRARY = "chno_1to4_ext", "chno_5to7"
+TRAIN_LIBRARIES = ("chno_1to4", "chno_1to4_ext")  # at most 4 heavy atoms
 ANCHORS = {"ani1x_comp6": {"relative_energy_mae_kcal_mol": 1.85, "force_mae_kcal_mol_A": 3.09,
                            "source": "Smith et al., J. Chem. Phys. 148, 241733 (2018): ANI-1x on COMP6, "
                                      "5 million training conformers"}}
@@ -61,14 +64,26 @@ def stage_seconds(args: argparse.Namespace, stage: str, seconds: float, computed
 
 
 def simulate_train(args: argparse.Namespace) -> tuple[Path, float]:
-    cfg = ChemConfig(molecules=TRAIN_LIBRARY, level=args.level, temperature=args.temperature)
+    cfg = ChemConfig(molecules=args.library, level=args.level, temperature=args.temperature)
     t0 = time.perf_counter()
     res = run_ensemble(ChemApp(), cfg, SimulateConfig(samples=args.train, seed=11, workers=args.workers,
-                                                      shard_size=20), args.out / "train", progress=True)
+                                                      shard_size=20), train_dir(args), progress=True)
     if res.n_failed:
         print(f"train: {res.n_failed} DFT failures recorded: {res.failures[:3]}", file=sys.stderr)
-    return args.out / "train", stage_seconds(args, "train", time.perf_counter() - t0, res.shards_computed > 0,
-                                             grown=res.shards_skipped > 0)
+    return train_dir(args), stage_seconds(args, train_dir(args).name, time.perf_counter() - t0,
+                                          res.shards_computed > 0, grown=res.shards_skipped > 0)
+
+
+def train_dir(args: argparse.Namespace) -> Path:
+    """The training dataset of ``--library``: ``train`` for chno_1to4 (the first one made), else ``train-LIBRARY``."""
+    return args.out / ("train" if args.library == "chno_1to4" else f"train-{args.library}")
+
+
+def run_dir(args: argparse.Namespace) -> Path:
+    """``run`` (``run-LIBRARY`` past chno_1to4), or ``run-VARIANT`` for ``--variant``."""
+    if args.variant:
+        return args.out / f"run-{args.variant}"
+    return args.out / ("run" if args.library == "chno_1to4" else f"run-{args.library}")
 
 
 def test_molecules(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -193,7 +208,9 @@ def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     e_pred = np.mean([p[2] for p in predictions], axis=0)
     f_pred = np.mean([p[3] for p in predictions], axis=0)
     members = [{"run": run.name, **test_errors(arrays, p[2], p[3])} for run, p in zip(runs, predictions)]
-    return write_variant(args, {"variant": args.variant, "members": members, **test_errors(arrays, e_pred, f_pred)})
+    return write_variant(args, {"variant": args.variant, "library": args.library,
+                                "n_conformers": len(ShardStore.open(train_dir(args))), "members": members,
+                                **test_errors(arrays, e_pred, f_pred)})
 
 
 def screen_methods(args: argparse.Namespace, run: Path, n_molecules: int, conformers: int, methods, tag: str) -> dict:
@@ -230,7 +247,9 @@ def screening(args: argparse.Namespace, run: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/chem-transfer"))
-    ap.add_argument("--train", type=int, default=800, help="training conformers (DFT calls), over chno_1to4")
+    ap.add_argument("--library", choices=TRAIN_LIBRARIES, default=TRAIN_LIBRARY,
+                    help="training molecules (chno_1to4_ext: chno_1to4 and the conjugated chains it lacks)")
+    ap.add_argument("--train", type=int, default=2500, help="training conformers (DFT calls) over --library")
     ap.add_argument("--test-molecules", type=int, default=24, help="first N molecules of chno_5to7")
     ap.add_argument("--test-conformers", type=int, default=10, help="conformers per test molecule")
     ap.add_argument("--level", default="fast", help="DFT level of training and test labels")
@@ -257,19 +276,19 @@ def main() -> int:
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    train_dir, train_sim_s = simulate_train(args)
+    train_data, train_sim_s = simulate_train(args)
     test_sim_s = simulate_test(args)
     if args.until == "simulate":
         return 0
     app = ChemApp()
-    store = ShardStore.open(train_dir)
-    cfg = ChemConfig(molecules=TRAIN_LIBRARY, level=args.level, temperature=args.temperature,
+    store = ShardStore.open(train_data)
+    cfg = ChemConfig(molecules=args.library, level=args.level, temperature=args.temperature,
                      force_weight=args.force_weight)
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
     overrides["seed"] = args.seed
     tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
     t0 = time.perf_counter()
-    run = args.out / (f"run-{args.variant}" if args.variant else "run")
+    run = run_dir(args)
     if args.members:
         if not args.variant:
             ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
@@ -277,14 +296,15 @@ def main() -> int:
     history = finished_history(run, tcfg.epochs)
     if history is None:  # train, or resume an interrupted run
         result = train(app, cfg, tcfg, store.load(), run, resume=(run / "last.pt").exists(),
-                       extra_config={"data": str(train_dir)})
+                       extra_config={"data": str(train_data)})
         history = result.history
     train_s = sum(h["seconds"] for h in history)
     if args.until == "train":
         return 0
     if args.variant:  # the same data and test set, another training: its accuracy beside the main result
         names, arrays, e_pred, f_pred = test_predictions(args, app, run)
-        entry = {"variant": args.variant, "force_weight": cfg.force_weight, "hidden": list(cfg.hidden),
+        entry = {"variant": args.variant, "library": args.library, "force_weight": cfg.force_weight,
+                 "hidden": list(cfg.hidden),
                  "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")},
                  "n_conformers": len(store), "epochs_run": len(history), "train_wall_s": train_s,
                  **test_errors(arrays, e_pred, f_pred)}
@@ -304,8 +324,8 @@ def main() -> int:
     rows = per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names)
     train_mols = molecule_set(cfg)
     result_json = {
-        "train": {"library": TRAIN_LIBRARY, "n_molecules": len(train_mols),
-                  "max_heavy_atoms": max(heavy_atoms(s) for _, s in library(TRAIN_LIBRARY)),
+        "train": {"library": args.library, "n_molecules": len(train_mols),
+                  "max_heavy_atoms": max(heavy_atoms(s) for _, s in library(args.library)),
                   "n_conformers": len(store), "dft_calls": store.n_samples, "level_of_theory": cfg.level_of_theory,
                   "temperature_K": args.temperature, "simulate_wall_s": train_sim_s, "train_wall_s": train_s,
                   "epochs_run": len(history),
@@ -326,6 +346,8 @@ def main() -> int:
         "per_molecule": rows, "anchors": ANCHORS, "targets": TARGETS, "machine": describe_machine(),
     }
     result_json["level_of_theory"] = cfg.level_of_theory
+    earlier = args.results / "chem_transfer.json"  # other trainings on this data or an earlier one stay beside it
+    result_json["variants"] = json.loads(earlier.read_text()).get("variants", []) if earlier.is_file() else []
     result_json["targets_met"] = {
         key: result_json["network"][key] <= limit for key, limit in TARGETS.items()} | {
         f"better_than_xtb_{key}": result_json["network"][key] < result_json["gfn2_xtb"][key] for key in TARGETS}

@@ -20,7 +20,7 @@ from converge.apps.chem.smiles import (
     embed_conformers,
     heavy_atoms,
     library,
-    library_path,
+    library_paths,
     molecule_from_smiles,
     parse_smi_text,
     parse_smiles,
@@ -52,7 +52,7 @@ def test_dihedral_helper_gives_known_angles_and_fails_on_a_wrong_one():
 def test_every_library_entry_is_a_neutral_closed_shell_chno_molecule_in_range(name):
     low, high = LIBRARY_HEAVY_ATOMS[name]
     entries = library(name)
-    assert len(entries) >= {"chno_1to4": 70, "chno_5to7": 24}[name]
+    assert len(entries) >= {"chno_1to4": 70, "chno_1to4_conj": 25, "chno_1to4_ext": 120, "chno_5to7": 24}[name]
     names = [entry_name for entry_name, _ in entries]
     assert len(set(names)) == len(names), "names must be unique"
     assert len({canonical_smiles(s) for _, s in entries}) == len(entries), "no molecule twice"
@@ -70,10 +70,12 @@ def test_every_library_entry_is_a_neutral_closed_shell_chno_molecule_in_range(na
 
 
 def test_libraries_do_not_overlap_and_names_are_unique_across_them():
-    small, large = library("chno_1to4"), library("chno_5to7")
-    assert not {canonical_smiles(s) for _, s in small} & {canonical_smiles(s) for _, s in large}
-    names = [n for n, _ in small + large]
+    small, added, large = library("chno_1to4"), library("chno_1to4_conj"), library("chno_5to7")
+    canonical = lambda entries: {canonical_smiles(s) for _, s in entries}  # noqa: E731
+    assert not canonical(small) & canonical(large) and not canonical(added) & (canonical(small) | canonical(large))
+    names = [n for n, _ in small + added + large]
     assert len(set(names)) == len(names)
+    assert library("chno_1to4_ext") == small + added  # the two parts, in order
 
 
 def test_library_keeps_triple_bonds_and_known_entries():
@@ -85,18 +87,20 @@ def test_library_keeps_triple_bonds_and_known_entries():
 
 @pytest.mark.parametrize("name", LIBRARIES)
 def test_library_files_say_where_their_list_comes_from(name):
-    header = [line for line in library_path(name).read_text().splitlines() if line.startswith("#")]
-    text = "\n".join(header)
-    assert "Where it comes from" in text and "How it was chosen" in text
+    for path in library_paths(name):
+        text = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+        assert "Where it comes from" in text and "How it was chosen" in text
 
 
 def test_unknown_library_lists_the_libraries():
-    with pytest.raises(ValueError, match=r"unknown molecule library 'gdb17'; libraries: chno_1to4, chno_5to7"):
+    with pytest.raises(ValueError, match=r"unknown molecule library 'gdb17'; libraries: chno_1to4, chno_1to4_conj, "
+                                         r"chno_1to4_ext, chno_5to7"):
         library("gdb17")
 
 
 def test_library_files_are_read_by_read_molecules():
-    records = read_molecules(library_path("chno_1to4"))
+    (path,) = library_paths("chno_1to4")
+    records = read_molecules(path)
     assert [r.name for r in records] == [n for n, _ in library("chno_1to4")]
 
 

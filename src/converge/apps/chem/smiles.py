@@ -31,8 +31,10 @@ from rdkit.rdBase import BlockLogs
 from .molecules import SUPPORTED_ELEMENTS, XYZ_SUFFIXES, Molecule
 
 DATA_DIR = Path(__file__).parent / "data"
-LIBRARY_HEAVY_ATOMS = {"chno_1to4": (1, 4), "chno_5to7": (5, 7)}  # library -> (min, max) heavy atoms
+LIBRARY_HEAVY_ATOMS = {"chno_1to4": (1, 4), "chno_1to4_conj": (3, 4), "chno_1to4_ext": (1, 4),
+                       "chno_5to7": (5, 7)}  # library -> (min, max) heavy atoms
 LIBRARIES = tuple(LIBRARY_HEAVY_ATOMS)
+LIBRARY_PARTS = {"chno_1to4_ext": ("chno_1to4", "chno_1to4_conj")}  # a library made of others, in this order
 SMILES_SUFFIXES = (".smi",)
 SDF_SUFFIXES = (".sdf",)
 MOLECULE_FILE_SUFFIXES = SMILES_SUFFIXES + SDF_SUFFIXES + XYZ_SUFFIXES
@@ -344,22 +346,25 @@ def read_molecules(path: str | Path) -> list[MoleculeRecord]:
     return records
 
 
-def library_path(name: str) -> Path:
-    """Path of the .smi file of the built-in library ``name`` (one of :data:`LIBRARIES`)."""
+def library_paths(name: str) -> list[Path]:
+    """The .smi files of the built-in library ``name`` (one of :data:`LIBRARIES`), in order: its own, or those
+    of its parts (:data:`LIBRARY_PARTS`)."""
     if name not in LIBRARY_HEAVY_ATOMS:
         raise ValueError(
             f"unknown molecule library {name!r}; libraries: {', '.join(LIBRARIES)}; "
             f"or give a {' / '.join(MOLECULE_FILE_SUFFIXES)} file"
         )
-    return DATA_DIR / f"{name}.smi"
+    return [DATA_DIR / f"{part}.smi" for part in LIBRARY_PARTS.get(name, (name,))]
 
 
 def library(name: str) -> list[tuple[str, str]]:
     """The ``(name, SMILES)`` pairs of the built-in library ``name``, in file order.
 
     ``"chno_1to4"``: neutral closed-shell CHNO molecules with 1-4 heavy atoms (training);
-    ``"chno_5to7"``: 5-7 heavy atoms, none in chno_1to4 (transfer test). Sources and choice
-    are in each file's header; heavy-atom ranges in :data:`LIBRARY_HEAVY_ATOMS`.
+    ``"chno_1to4_conj"``: the 3-4 heavy-atom conjugated chains and small rings chno_1to4 lacks;
+    ``"chno_1to4_ext"``: the two together; ``"chno_5to7"``: 5-7 heavy atoms, none in the
+    others (transfer test). Sources and choice are in each file's header; heavy-atom ranges in
+    :data:`LIBRARY_HEAVY_ATOMS`.
     """
-    text = library_path(name).read_text()
-    return [(entry_name or canonical_smiles(smiles), smiles) for _, smiles, entry_name in parse_smi_text(text)]
+    return [(entry_name or canonical_smiles(smiles), smiles) for path in library_paths(name)
+            for _, smiles, entry_name in parse_smi_text(path.read_text())]
