@@ -172,14 +172,23 @@ def speed(cfg: ChemConfig, model, arrays: dict[str, np.ndarray], n_dft: int) -> 
             "speedup_single": dft / single, "speedup_batched": dft / batched, "threads": torch.get_num_threads()}
 
 
-def test_predictions(args: argparse.Namespace, app, run: Path) -> tuple[list[str], dict, np.ndarray, np.ndarray]:
-    """The test molecules' names, their padded DFT arrays, and the run's energies and forces on them (float64)."""
-    model, _ = load_model(app, run)
+def test_set(args: argparse.Namespace) -> tuple[list[str], dict]:
+    """The test molecules' names and their DFT arrays, padded to the largest."""
     names = [name for name, _ in test_molecules(args)]
     n_atoms = max(ShardStore.open(args.out / "test" / n).load(["species"])["species"].shape[1] for n in names)
-    arrays = load_test(args, n_atoms)
-    e_pred, f_pred = predict(model.double(), arrays["species"], arrays["coordinates"])
-    return names, arrays, e_pred, f_pred
+    return names, load_test(args, n_atoms)
+
+
+def run_predictions(app, run: Path, arrays: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The run's energies and forces on ``arrays`` (float64)."""
+    model, _ = load_model(app, run)
+    return predict(model.double(), arrays["species"], arrays["coordinates"])
+
+
+def test_predictions(args: argparse.Namespace, app, run: Path) -> tuple[list[str], dict, np.ndarray, np.ndarray]:
+    """The test molecules' names, their padded DFT arrays, and the run's energies and forces on them (float64)."""
+    names, arrays = test_set(args)
+    return (names, arrays, *run_predictions(app, run, arrays))
 
 
 def test_errors(arrays: dict[str, np.ndarray], e_pred: np.ndarray, f_pred: np.ndarray) -> dict:
@@ -203,11 +212,11 @@ def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     if len(runs) < 2 or unfinished:
         why = f"not finished: {', '.join(unfinished)}" if unfinished else "one given"
         raise SystemExit(f"--members: give two or more finished runs ({why})")
-    predictions = [test_predictions(args, app, run) for run in runs]
-    arrays = predictions[0][1]
-    e_pred = np.mean([p[2] for p in predictions], axis=0)
-    f_pred = np.mean([p[3] for p in predictions], axis=0)
-    members = [{"run": run.name, **test_errors(arrays, p[2], p[3])} for run, p in zip(runs, predictions)]
+    _, arrays = test_set(args)
+    predictions = [run_predictions(app, run, arrays) for run in runs]
+    e_pred = np.mean([e for e, _ in predictions], axis=0)
+    f_pred = np.mean([f for _, f in predictions], axis=0)
+    members = [{"run": run.name, **test_errors(arrays, e, f)} for run, (e, f) in zip(runs, predictions)]
     return write_variant(args, {"variant": args.variant, "library": args.library,
                                 "n_conformers": len(ShardStore.open(train_dir(args))), "members": members,
                                 **test_errors(arrays, e_pred, f_pred)})
@@ -275,6 +284,8 @@ def main() -> int:
                     "replace its entry in chem_transfer.json")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if args.members and not args.variant:
+        ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
     torch.set_num_threads(1)
     train_data, train_sim_s = simulate_train(args)
     test_sim_s = simulate_test(args)
@@ -287,11 +298,8 @@ def main() -> int:
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
     overrides["seed"] = args.seed
     tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
-    t0 = time.perf_counter()
     run = run_dir(args)
     if args.members:
-        if not args.variant:
-            ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
         return ensemble_variant(args, app, [args.out / m.strip() for m in args.members.split(",") if m.strip()])
     history = finished_history(run, tcfg.epochs)
     if history is None:  # train, or resume an interrupted run
@@ -320,7 +328,6 @@ def main() -> int:
     t0 = time.perf_counter()
     e_xtb, f_xtb = xtb_baseline(arrays)
     xtb_s = time.perf_counter() - t0
-    real = arrays["species"] > 0
     rows = per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names)
     train_mols = molecule_set(cfg)
     result_json = {
@@ -338,8 +345,7 @@ def main() -> int:
                  "simulate_wall_s": test_sim_s, "level_of_theory": cfg.level_of_theory,
                  "overlap_with_train": sorted(set(names) & {m.name for m in train_mols})},
         "network": {**test_errors(arrays, e_pred, f_pred), "force_weight": cfg.force_weight},
-        "gfn2_xtb": {"relative_energy_mae_kcal_mol": relative_energy_mae(e_xtb, arrays["energy"], arrays["molecule"]),
-                     **error_report(e_xtb, f_xtb, arrays["energy"], arrays["forces"], real), "wall_s": xtb_s,
+        "gfn2_xtb": {**test_errors(arrays, e_xtb, f_xtb), "wall_s": xtb_s,
                      "note": "absolute energies after per-element offsets fitted on the test labels"},
         "speed": speed(cfg, load_model(app, run)[0], arrays, args.n_dft_timing),  # as trained (float32)
         "screening": screening(args, run),

@@ -479,17 +479,17 @@ class ModelInstances(RequestQueue):
         with self._lock:
             if self._queued_samples + pending.n > self.config.max_queue_size:  # the model's limit, not a child's
                 raise self._queue_full(self._queued_samples)
-            running = [m for m in self.members if m.running] if not self._closing else []
+            running = [(i, m) for i, m in enumerate(self.members) if m.running] if not self._closing else []
             if not running:
                 broken = next((m._broken for m in self.members if m._broken), None)
                 raise ShuttingDown(broken or f"model {self.name!r} is shutting down")
-            free = [m for m in running if not m.busy]
+            free = [(i, m) for i, m in running if not m.busy]
             if not free:
                 self._held.append(pending)
                 self._held_samples += pending.n
                 return pending
             turn = next(self._turn)  # among free children: the one holding fewest, ties round the children
-            member = min(free, key=lambda m: (m.queued_samples, (self.members.index(m) - turn) % len(self.members)))
+            _, member = min(free, key=lambda im: (im[1].queued_samples, (im[0] - turn) % len(self.members)))
             try:
                 member._put(pending)
             except ShuttingDown:  # closed or broken between the check and the call: wait for another
