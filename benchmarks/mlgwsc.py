@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,7 @@ def _generate(files: dict[str, Path], done: Path, seed: int, duration: int) -> N
 
 def train_cnn(work: Path, args) -> Path:
     """Simulate the DS1 training set and train the coherent CNN (both resume)."""
-    app, cfg = GWApp(), GWConfig.mlgwsc1(1, conv_padding=args.cnn_padding)
+    app, cfg = GWApp(), GWConfig.mlgwsc1(1, conv_padding=args.cnn_padding, channels=args.cnn_channels)
     data, run = work / "train_data", work / "run"
     done = work / ".trained"
     if not done.is_file():
@@ -111,7 +112,8 @@ def train_cnn(work: Path, args) -> Path:
 
 
 def run_searches(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], tag: str, slides: int,
-                 step: float, timing: dict[str, Path | None], methods=METHODS, group: int = 40) -> dict[str, dict]:
+                 step: float, timing: dict[str, Path | None], methods=METHODS, group: int = 40,
+                 fcfg: FilterConfig = FilterConfig()) -> dict[str, dict]:
     """Both searches on ``files``' foreground and on its background with ``slides`` slides, run in groups of
     ``group`` slides (each group's file is kept, so an interrupted background resumes at its last group)."""
     out = {}
@@ -129,7 +131,7 @@ def run_searches(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], t
             if method == "cnn":
                 result = search_cnn(run, files[kind], target, search, progress=False, timing=timing.get("cnn"))
             else:
-                result = search_matched_filter(cfg, files[kind], target, search, FilterConfig(),
+                result = search_matched_filter(cfg, files[kind], target, search, fcfg,
                                                cache_dir=work / "mf-cache", timing=timing.get("mf"), progress=False)
             summaries.setdefault(kind, []).append(result)
         summaries["fg"] = summaries["fg"][0]
@@ -160,18 +162,20 @@ def background_groups(work: Path, stem: str, slides: int, group: int) -> list[tu
     return jobs
 
 
-def calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], methods=METHODS) -> dict[str, dict]:
+def calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], methods=METHODS,
+              fcfg: FilterConfig = FilterConfig()) -> dict[str, dict]:
     """Timing bias and tolerance of each search from the calibration foreground's injections (each method's
     record is kept in ``timing_<method>.done.json`` and reused)."""
     done = {m: work / f"timing_{m}.done.json" for m in methods}
     todo = [m for m in methods if not done[m].is_file()]
-    records = _calibrate(work, run, cfg, files, todo) if todo else {}
+    records = _calibrate(work, run, cfg, files, todo, fcfg) if todo else {}
     for m in todo:
         done[m].write_text(json.dumps(records[m], indent=1))
     return {m: json.loads(done[m].read_text()) for m in methods}
 
 
-def _calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], methods) -> dict[str, dict]:
+def _calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], methods,
+               fcfg: FilterConfig) -> dict[str, dict]:
     import h5py
 
     with h5py.File(files["inj"]) as f:
@@ -180,7 +184,7 @@ def _calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], met
     tc = tc[(tc > fg.segments[0].start + 30) & (tc < fg.segments[-1].end - 30)]
     if "cnn" in methods and (run / TIMING_FILE).is_file():  # a search made with a record folds it in
         (run / TIMING_FILE).unlink()
-    searches = run_searches(work, run, cfg, files, "calibration", 0, 2.0, {}, methods)
+    searches = run_searches(work, run, cfg, files, "calibration", 0, 2.0, {}, methods, fcfg=fcfg)
     records = {}
     for method, s in searches.items():
         events, attrs = read_events(s["paths"]["fg"])
@@ -202,7 +206,7 @@ def _calibrate(work: Path, run: Path, cfg: GWConfig, files: dict[str, Path], met
 
 
 def latency(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, speed: float,
-            methods=METHODS) -> dict[str, dict]:
+            methods=METHODS, fcfg: FilterConfig = FilterConfig()) -> dict[str, dict]:
     """Event latencies in --follow mode, 4 s GWOSC files landing ``speed`` times faster than real time (one search
     at a time; the summary's busy_fraction < 1 shows the search kept up, so that the landing rate does not enter
     the latency)."""
@@ -223,19 +227,25 @@ def latency(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, spee
             out[method] = follow_cnn(run, landing, target, SearchConfig(), idle_timeout=20.0)
         else:
             timing = work / "mf_timing.json"
-            out[method] = follow_matched_filter(cfg, landing, target, SearchConfig(), FilterConfig(),
+            out[method] = follow_matched_filter(cfg, landing, target, SearchConfig(), fcfg,
                                                 idle_timeout=20.0, timing=timing if timing.is_file() else None)
         feeder.join()
         shutil.rmtree(landing, ignore_errors=True)
     return out
 
 
-def link_matched_filter(work: Path, source: Path) -> None:
+def link_matched_filter(work: Path, source: Path, fcfg: FilterConfig) -> None:
     """The matched filter's finished files of another work folder on the same challenge files (its calibration,
-    searches, timing record and follow run), linked into ``work`` so that they are reused, not recomputed."""
+    searches, timing record and follow run), linked into ``work`` so that they are reused, not recomputed; they
+    must have been made with ``fcfg``."""
     names = [p.name for p in source.iterdir() if "matched_filter" in p.name or p.name == "mf_timing.json"]
     if not names:
         raise SystemExit(f"--matched-filter-from {source}: no matched-filter files there")
+    for summary in sorted(source.glob("*_matched_filter_*.json")):
+        made = json.loads(summary.read_text()).get("filter_config", {})
+        if made and made != asdict(fcfg):
+            raise SystemExit(f"--matched-filter-from {source}: {summary.name} was made with {made}, not {asdict(fcfg)}"
+                             " (give the same --snr-threshold)")
     for name in names:
         if not (work / name).exists():
             (work / name).symlink_to(source.resolve() / name)
@@ -262,7 +272,8 @@ def finite(value):
     return value
 
 
-def compute_cost(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, repeats: int = 3) -> dict:
+def compute_cost(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float, repeats: int = 3,
+                 fcfg: FilterConfig = FilterConfig()) -> dict:
     """Both foreground searches on the same first ``seconds`` of the test foreground, back to back and alternating
     (so that both see the same load on a shared machine), the matched filter from an empty trigger cache; the
     fastest of ``repeats`` runs of each, per strain second (whitening included, one thread)."""
@@ -283,7 +294,7 @@ def compute_cost(work: Path, run: Path, cfg: GWConfig, fg: Path, seconds: float,
         conditioning["cnn"].append(summary["conditioning_seconds"])
         with tempfile.TemporaryDirectory(dir=work) as cache:
             t = time.perf_counter()
-            summary = search_matched_filter(cfg, piece, work / "compute_mf.hdf", SearchConfig(), FilterConfig(),
+            summary = search_matched_filter(cfg, piece, work / "compute_mf.hdf", SearchConfig(), fcfg,
                                             cache_dir=Path(cache), progress=False)
             times["matched_filter"].append(time.perf_counter() - t)
             conditioning["matched_filter"].append(summary["conditioning_seconds"])
@@ -316,12 +327,17 @@ def main() -> None:
     ap.add_argument("--cnn-padding", choices=("valid", "same"), default="valid",
                     help="valid: the search scores each stretch's overlapping windows from one pass of the "
                          "convolutions (exact); same: window by window, zeros at the edges")
+    ap.add_argument("--cnn-channels", type=lambda t: tuple(int(c) for c in t.split(",")), default=(16, 32, 64),
+                    help="channels of the CNN's three conv blocks, e.g. 8,16,32 (a network 3.6x cheaper)")
     ap.add_argument("--matched-filter-from", type=Path, help="reuse the matched filter's results of another work "
                     "folder searched on the same --data (two CNNs against one matched filter)")
     ap.add_argument("--data", type=Path, help="where the challenge's files are made (default: --work); two work "
                     "folders may share them")
     ap.add_argument("--follow-seconds", type=float, default=1200.0)
     ap.add_argument("--follow-speed", type=float, default=4.0, help="landing rate over real time")
+    ap.add_argument("--snr-threshold", type=float, default=FilterConfig().snr_threshold,
+                    help="the matched filter's single-detector SNR threshold for triggers (use a work folder of its "
+                         "own per threshold: its cache and files depend on it)")
     ap.add_argument("--compute-seconds", type=float, default=600.0, help="stretch both searches are timed on")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--only", choices=METHODS, help="run the stages of one search only and stop before evaluating "
@@ -336,6 +352,7 @@ def main() -> None:
     data.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}
     cfg = GWConfig.mlgwsc1(1)
+    fcfg = FilterConfig(snr_threshold=args.snr_threshold)
 
     t = time.perf_counter()
     log("train: the coherent two-detector CNN")
@@ -348,17 +365,17 @@ def main() -> None:
     stages["data"] = time.perf_counter() - t
     t = time.perf_counter()
     if args.matched_filter_from:
-        link_matched_filter(work, args.matched_filter_from)
+        link_matched_filter(work, args.matched_filter_from, fcfg)
     log("calibrate: timing on the calibration injections")
-    records = calibrate(work, run, cfg, calib, methods)
+    records = calibrate(work, run, cfg, calib, methods, fcfg)
     stages["calibrate"] = time.perf_counter() - t
     t = time.perf_counter()
     measured = {"cnn": run / TIMING_FILE, "mf": work / "mf_timing.json"}
     searches = run_searches(work, run, cfg, test, "test", args.slides, args.slide_step,
-                            {k: v for k, v in measured.items() if v.is_file()}, methods)
+                            {k: v for k, v in measured.items() if v.is_file()}, methods, fcfg=fcfg)
     stages["search"] = time.perf_counter() - t
     if args.only:
-        follow = latency(work, run, cfg, test["fg"], args.follow_seconds, args.follow_speed, methods)
+        follow = latency(work, run, cfg, test["fg"], args.follow_seconds, args.follow_speed, methods, fcfg)
         accumulate_stages(work, {f"{name} ({args.only})": v for name, v in stages.items()})
         log(f"{args.only}: searches and latency done ({follow[args.only]['latency_ms']}); run again without --only")
         return
@@ -372,7 +389,7 @@ def main() -> None:
         found[method] = found_at(s["paths"]["fg"], s["paths"]["bg"], test["inj"], [test["fg"]], far_level)
     stages["evaluate"] = time.perf_counter() - t
     t = time.perf_counter()
-    follow = latency(work, run, cfg, test["fg"], args.follow_seconds, args.follow_speed)
+    follow = latency(work, run, cfg, test["fg"], args.follow_seconds, args.follow_speed, fcfg=fcfg)
     stages["latency"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -381,7 +398,7 @@ def main() -> None:
         cost = json.loads(cost_path.read_text())
     else:
         log("compute: both searches on the same stretch, alternating")
-        cost = compute_cost(work, run, cfg, test["fg"], args.compute_seconds)
+        cost = compute_cost(work, run, cfg, test["fg"], args.compute_seconds, fcfg=fcfg)
         cost_path.write_text(json.dumps(cost, indent=1))
     stages["compute"] = time.perf_counter() - t
     fg_s = {m: s["summaries"]["fg"] for m, s in searches.items()}
@@ -406,11 +423,11 @@ def main() -> None:
             "reduced_size": reduced,
             "seeds": {"test": args.seed, "calibration": args.calibration_seed, "training": args.train_seed},
             "cnn": {**method_entry("cnn"), "training": {"samples": args.train_samples, "epochs": args.epochs},
-                    "conv_padding": args.cnn_padding,
+                    "conv_padding": args.cnn_padding, "channels": list(args.cnn_channels),
                     "n_windows_per_slide_s": 1 / SearchConfig().stride},
             "matched_filter": {**method_entry("matched_filter"),
                                "n_templates": fg_s["matched_filter"]["n_templates"],
-                               "snr_threshold": FilterConfig().snr_threshold},
+                               "snr_threshold": fcfg.snr_threshold},
             "compute": {**cost,
                         "full_foreground_runs_s_per_strain_s": {
                             "cnn": fg_s["cnn"]["seconds"] / fg_s["cnn"]["duration_s"],

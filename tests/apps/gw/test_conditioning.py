@@ -50,6 +50,24 @@ def test_whitened_noise_is_white_with_the_band_fraction_as_variance(noise_file):
     assert np.corrcoef(y, exact[h:len(x) - h])[0, 1] > 0.995  # the truncated filter is the whitening filter
 
 
+@pytest.mark.parametrize("n_samples", [8193, 8194, 20000, 8 * 8193, 8 * 8193 + 1, 300_001])
+def test_fir_whiten_equals_scipy_oaconvolve(n_samples):
+    """Overlap-save with a precomputed filter spectrum: one output sample, one block, a block boundary, many
+    blocks with a short last one."""
+    from scipy.signal import oaconvolve
+
+    rng = np.random.default_rng(n_samples)
+    x, fir = rng.standard_normal(n_samples) * 1e-21, rng.standard_normal(8193) * 1e21
+    ours, ref = fir_whiten(x, fir), oaconvolve(x, fir, mode="valid")
+    assert ours.shape == ref.shape == (n_samples - 8192,)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-10 * np.abs(ref).max())
+
+
+def test_fir_whiten_refuses_a_stretch_shorter_than_the_filter():
+    with pytest.raises(ValueError, match="too few for a filter of 9 taps"):
+        fir_whiten(np.zeros(8), np.ones(9))
+
+
 def test_fir_is_symmetric_and_odd_length():
     freqs = np.fft.rfftfreq(8 * 64, 1 / 64.0)
     fir = whitening_fir(freqs, np.ones_like(freqs), 64.0, 5.0)

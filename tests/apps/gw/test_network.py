@@ -121,6 +121,14 @@ def test_streaming_scores_equal_window_by_window_scores(detectors):
         one_by_one = model(windows if detectors > 1 else windows[:, 0])
     assert streamed.shape == (len(starts),) and model.window_features == 25
     torch.testing.assert_close(streamed, one_by_one, atol=1e-5, rtol=1e-5)
+    folded = model.for_inference()  # BatchNorm folded into the convolutions: the same logits, the model untouched
+    assert not any(isinstance(m, torch.nn.BatchNorm1d) for m in folded.modules())
+    assert sum(isinstance(m, torch.nn.BatchNorm1d) for m in model.modules()) == 4
+    with torch.inference_mode():
+        torch.testing.assert_close(folded.stream(strain if detectors > 1 else strain[0], 256), one_by_one,
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(folded(windows if detectors > 1 else windows[:, 0]), one_by_one,
+                                   atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="multiple of 64 samples"):
         model.stream(strain, 100)
     with pytest.raises(ValueError, match="padding='valid'"):

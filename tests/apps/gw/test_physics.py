@@ -169,6 +169,33 @@ def test_welch_estimate_whitens_real_format_data():
     assert w[fs : -fs].var() == pytest.approx(band_fraction, rel=0.05)
 
 
+@pytest.mark.parametrize("n_samples, seg_duration, average", [
+    (9 * 1024, 1.0, "median"),  # 17 segments: an odd count, one middle value
+    (10 * 1024, 1.0, "median"),  # 19 segments
+    (11 * 1024 + 100, 1.0, "median"),  # 21 segments, samples past the last one unused
+    (10 * 1024, 2.0, "median"),  # 9 segments
+    (7 * 1024, 1.0, "median"),  # 13 segments
+    (6 * 1024, 1.0, "median"),  # 11 segments
+    (5 * 1024 + 512, 1.0, "median"),  # 10 segments: an even count, the mean of the two middle values
+    (10 * 1024, 1.0, "mean"),
+    (1001 * 3, 1001 / 1024, "median"),  # an odd nperseg (1001 samples, hop 501): no Nyquist bin
+    (1024, 1.0, "median"),  # one segment
+])
+def test_welch_psd_equals_scipy(n_samples, seg_duration, average):
+    """Our Welch (strided segments, the mean removed in the frequency domain, the median by partition) is
+    scipy.signal.welch's estimate, batch axes included."""
+    from scipy.signal import welch
+
+    fs = 1024.0
+    x = np.random.default_rng(7).standard_normal((2, n_samples)) * 1e-21 + 3e-21  # strain-sized, with an offset
+    nperseg = int(round(seg_duration * fs))
+    freqs, ours = welch_psd(x, fs, seg_duration, average)
+    ref_f, ref = welch(x, fs=fs, window="hann", nperseg=nperseg, noverlap=nperseg // 2, average=average)
+    np.testing.assert_allclose(freqs, ref_f)
+    np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=0)
+    assert ours.shape == (2, nperseg // 2 + 1)
+
+
 def test_welch_psd_error_paths():
     with pytest.raises(ValueError, match="fewer than one"):
         welch_psd(np.zeros(100), 2048)

@@ -30,8 +30,12 @@ every run trained before) each window is scored on its own: near its edges it se
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 
 PADDINGS = ("same", "valid")
@@ -113,16 +117,35 @@ class DetectionCNN(nn.Module):
             raise ValueError(f"stream needs padding='valid' (this network: {self.padding!r}) and a step that is a "
                              f"multiple of {STRIDE} samples (got {step})")
         x = strain.reshape(1, -1, strain.shape[-1])  # (1, D, T)
-        h = self.features(x)[0]  # (C, L)
+        h = self.features(x)  # (1, C, L)
         n_windows = 1 + (x.shape[-1] - self.n_samples) // step
-        windows = h[:, : (n_windows - 1) * (step // STRIDE) + self.window_features]
-        windows = windows.unfold(-1, self.window_features, step // STRIDE).permute(1, 0, 2)  # (n, C, L_w)
-        return self.score_features(windows)
+        h = h[..., : (n_windows - 1) * (step // STRIDE) + self.window_features]
+        # each window's max and mean over its features, as score_features takes them, by pooling with the
+        # windows' stride (8x cheaper than pooling the overlapping windows one by one)
+        pooled = torch.cat([F.max_pool1d(h, self.window_features, step // STRIDE),
+                            F.avg_pool1d(h, self.window_features, step // STRIDE)], dim=1)[0]  # (2C, n)
+        return self.head_logits(pooled.T)
+
+    def for_inference(self) -> "DetectionCNN":
+        """An eval-mode copy for scoring, each BatchNorm folded into the convolution before it
+        (``torch.nn.utils.fusion.fuse_conv_bn_eval``): the same logits to float rounding (tested), and on a
+        CPU a third cheaper, since a BatchNorm of eval statistics costs about as much as the convolution."""
+        model = copy.deepcopy(self).eval()
+        blocks = [model.features] + [m for m in model.features if isinstance(m, nn.Sequential)]
+        for block in blocks:
+            for i in range(len(block) - 1):
+                if isinstance(block[i], nn.Conv1d) and isinstance(block[i + 1], nn.BatchNorm1d):
+                    block[i] = fuse_conv_bn_eval(block[i], block[i + 1])
+                    block[i + 1] = nn.Identity()
+        return model
 
     def score_features(self, h: torch.Tensor) -> torch.Tensor:
         """The head on features (B, C, L): logits (B,)."""
-        pooled = torch.cat([h.amax(dim=-1), h.mean(dim=-1)], dim=-1)  # (B, 2C)
+        return self.head_logits(torch.cat([h.amax(dim=-1), h.mean(dim=-1)], dim=-1))  # pooled (B, 2C)
+
+    def head_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The dense head on pooled features (B, 2C): logits (B,)."""
         # The head runs in fp32 even under bf16 autocast: a bf16 logit keeps only
         # ~3 significant digits, which would tie scores at low false-alarm rates.
-        with torch.autocast(device_type=h.device.type, enabled=False):
+        with torch.autocast(device_type=pooled.device.type, enabled=False):
             return self.head(pooled.float()).squeeze(-1)  # (B,)

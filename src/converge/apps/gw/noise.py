@@ -122,10 +122,17 @@ def welch_psd(
     strain: np.ndarray, sample_rate: float, seg_duration: float = 4.0, average: str = "median"
 ) -> tuple[np.ndarray, np.ndarray]:
     """One-sided PSD estimate [1/Hz] of ``strain`` by Welch's method: Hann windows of
-    ``seg_duration`` s, 50% overlap, ``average`` "median" (bias-corrected, robust to
-    glitches and signals) or "mean". Returns ``(freqs [Hz], psd)``, both ``(nperseg // 2 + 1,)``.
+    ``seg_duration`` s, 50% overlap, each segment's mean removed, ``average`` "median"
+    (bias-corrected, robust to glitches and signals) or "mean". Returns ``(freqs [Hz], psd)``,
+    both ``(nperseg // 2 + 1,)``.
+
+    The same estimate as ``scipy.signal.welch(x, fs, "hann", nperseg, nperseg // 2,
+    average=average)`` (tested), three times cheaper on a search's blocks: the segments are a
+    strided view (no copy), the mean is removed in the frequency domain (``rfft(w (x - m)) =
+    rfft(w x) - m rfft(w)``) and the median is one ``np.partition`` (``np.median`` costs 4x more).
     """
-    from scipy.signal import welch
+    from scipy.fft import rfft
+    from scipy.signal import get_window
 
     nperseg = int(round(seg_duration * sample_rate))
     strain = np.asarray(strain, dtype=np.float64)
@@ -136,7 +143,26 @@ def welch_psd(
         )
     if average not in ("median", "mean"):
         raise ValueError(f"welch_psd: average={average!r}; use 'median' or 'mean'")
-    return welch(strain, fs=sample_rate, window="hann", nperseg=nperseg, noverlap=nperseg // 2, average=average)
+    window = get_window("hann", nperseg)
+    segments = np.lib.stride_tricks.sliding_window_view(strain, nperseg, axis=-1)[..., :: nperseg - nperseg // 2, :]
+    spectra = rfft(segments * window, axis=-1)
+    spectra -= segments.mean(axis=-1, keepdims=True) * rfft(window)
+    power = spectra.real**2 + spectra.imag**2  # (..., n_segments, n_freq)
+    n = power.shape[-2]
+    if average == "mean" or n == 1:
+        psd = power.mean(axis=-2)
+    else:
+        mid = [n // 2] if n % 2 else [n // 2 - 1, n // 2]
+        psd = np.partition(power, mid, axis=-2)[..., mid, :].mean(axis=-2) / _median_bias(n)
+    psd /= sample_rate * np.sum(window**2)
+    psd[..., 1 : None if nperseg % 2 else -1] *= 2.0  # one-sided: all but DC (and Nyquist)
+    return np.fft.rfftfreq(nperseg, 1.0 / sample_rate), psd
+
+
+def _median_bias(n: int) -> float:
+    """The ratio of the median to the mean of ``n`` chi-squared(2) values, as scipy.signal.welch divides by."""
+    k = 2 * np.arange(1, (n - 1) // 2 + 1)
+    return 1.0 + float(np.sum(1.0 / (k + 1) - 1.0 / k))
 
 
 def interpolate_psd(
