@@ -238,3 +238,40 @@ def test_app_serves_through_instances(models):
             assert r.status_code == 200, r.text
         assert 'converge_inference_executions_total{model="crashy"} 4.0' in c.get("/metrics").text
     assert not pool.running
+
+
+def test_requests_put_on_an_event_loop_reach_the_child_as_one_pile_per_turn():
+    """The server's path: what one turn of the loop enqueues is one pipe message (the writer woken once); puts
+    from other threads go straight on; closing sends what the loop piled before the sentinel."""
+    import asyncio
+    import multiprocessing as mp
+
+    from converge.serve.worker import RequestFeed
+
+    child, parent = mp.Pipe(False)
+    feed = RequestFeed(parent, "t")
+
+    async def one_turn():
+        loop = asyncio.get_running_loop()
+        for i in range(5):
+            feed.put(i, loop)
+        assert not child.poll(0.05)  # nothing is handed over before the turn ends
+        await asyncio.sleep(0)
+
+    asyncio.run(one_turn())
+    assert child.poll(5) and child.recv() == [0, 1, 2, 3, 4]
+    feed.put("direct")
+    assert child.poll(5) and child.recv() == ["direct"]
+
+    async def piled_then_closed():
+        feed.put("late", asyncio.get_running_loop())
+        feed.close()  # before the loop's turn ends
+
+    asyncio.run(piled_then_closed())
+    received = []
+    try:
+        while child.poll(1):
+            received += child.recv()
+    except EOFError:  # the feed closed its end after the sentinel
+        pass
+    assert received == ["late", None]
