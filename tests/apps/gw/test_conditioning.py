@@ -59,8 +59,27 @@ def test_fir_whiten_equals_scipy_oaconvolve(n_samples):
     rng = np.random.default_rng(n_samples)
     x, fir = rng.standard_normal(n_samples) * 1e-21, rng.standard_normal(8193) * 1e21
     ours, ref = fir_whiten(x, fir), oaconvolve(x, fir, mode="valid")
-    assert ours.shape == ref.shape == (n_samples - 8192,)
+    assert ours.shape == ref.shape == (n_samples - 8192,) and ours.dtype == np.float64
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-10 * np.abs(ref).max())
+    single = fir_whiten(x.astype(np.float32), fir)  # float32 in, float32 arithmetic out
+    assert single.dtype == np.float32
+    np.testing.assert_allclose(single, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_float32_conditioning_whitens_as_float64_does(noise_file, tmp_path):
+    """The CNN search's conditioning: the segment's PSD, filter and whitened strain in float32 equal float64's
+    to float32's precision."""
+    from converge.apps.gw.conditioning import whiten_strain_set
+
+    double = whiten_strain_set(noise_file, Conditioning(block_s=32.0), tmp_path / "d", ("H1",))[0]
+    single = whiten_strain_set(noise_file, Conditioning(block_s=32.0, dtype="float32"), tmp_path / "s", ("H1",))[0]
+    freqs = double.psd["H1"][0]
+    band = freqs >= 20.0  # below, the noise has ~1e-9 of the peak power: float32 keeps no digits of it
+    np.testing.assert_allclose(single.psd["H1"][1][band], double.psd["H1"][1][band], rtol=1e-4)
+    a, b = np.asarray(double.channels["H1"]), np.asarray(single.channels["H1"])
+    assert np.abs(a - b).max() < 1e-5 * np.abs(a).max()
+    with pytest.raises(ValueError, match="give float32 or float64"):
+        Conditioning(dtype="float16")
 
 
 def test_fir_whiten_refuses_a_stretch_shorter_than_the_filter():
@@ -92,3 +111,17 @@ def test_psd_blocks_do_not_depend_on_the_chunk_size(noise_file):
     a = segment_psd(noise_file, 0, "H1", Conditioning(chunk_s=8.0))[1]
     b = segment_psd(noise_file, 0, "H1", Conditioning(chunk_s=64.0))[1]
     np.testing.assert_array_equal(a, b)
+
+
+def test_whitened_data_leaves_memory_past_its_bound(noise_file, tmp_path, monkeypatch):
+    """Bounded memory: the whitened set stays in memory only while it fits the bound, else it is memmapped,
+    with the same samples either way."""
+    from converge.apps.gw import conditioning
+    from converge.apps.gw.conditioning import whiten_strain_set
+
+    small = whiten_strain_set(noise_file, Conditioning(), tmp_path / "m", ("H1", "L1"))[0]
+    monkeypatch.setattr(conditioning, "WHITENED_IN_MEMORY_BYTES", 4 * FS * 80)  # one detector's worth
+    monkeypatch.setattr(conditioning, "RAW_IN_MEMORY_BYTES", 8 * FS)
+    mapped = whiten_strain_set(noise_file, Conditioning(), tmp_path / "d", ("H1", "L1"))[0]
+    assert not isinstance(small.channels["H1"], np.memmap) and isinstance(mapped.channels["H1"], np.memmap)
+    np.testing.assert_array_equal(np.asarray(small.channels["L1"]), np.asarray(mapped.channels["L1"]))

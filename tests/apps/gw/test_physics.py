@@ -194,6 +194,9 @@ def test_welch_psd_equals_scipy(n_samples, seg_duration, average):
     np.testing.assert_allclose(freqs, ref_f)
     np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=0)
     assert ours.shape == (2, nperseg // 2 + 1)
+    _, single = welch_psd(x, fs, seg_duration, average, dtype=np.float32)  # strain-sized: scaled, no underflow
+    assert single.dtype == np.float64 and np.all(single > 0)
+    np.testing.assert_allclose(single, ref, rtol=1e-4, atol=0)  # the DC bin cancels the offset: 4e-5
 
 
 def test_welch_psd_error_paths():

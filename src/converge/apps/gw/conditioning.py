@@ -30,7 +30,8 @@ from .noise import welch_psd, whitening_factor
 WELCH_S = 4.0  # Welch window [s]; 0.25 Hz resolution, 2 s of filter either side
 BLOCK_S = 512.0  # PSD block [s] held in memory at a time
 CHUNK_S = 256.0  # strain [s] per detector whitened at a time
-RAW_IN_MEMORY_BYTES = 256 * 2**20  # a segment's raw copy (float64) up to this size stays in memory
+RAW_IN_MEMORY_BYTES = 256 * 2**20  # a segment's raw copy up to this size stays in memory
+WHITENED_IN_MEMORY_BYTES = 256 * 2**20  # the whitened data set up to this size stays in memory
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Conditioning:
     welch_s: float = WELCH_S
     block_s: float = BLOCK_S
     chunk_s: float = CHUNK_S
+    dtype: str = "float64"  # of the raw copy, the Welch PSD's arithmetic and the whitening (float32: 2x cheaper)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"conditioning dtype={self.dtype!r}: give float32 or float64")
 
     @property
     def pad_s(self) -> float:
@@ -65,7 +71,7 @@ def segment_psd(data: StrainSet, segment: int, detector: str, cond: Conditioning
         block = data.read(segment, detector, int(lo), int(hi))
         if copy is not None:
             copy[lo:hi] = block
-        freqs, psd = welch_psd(block, seg.sample_rate, cond.welch_s)
+        freqs, psd = welch_psd(block, seg.sample_rate, cond.welch_s, dtype=np.dtype(cond.dtype).type)
         total = psd * (hi - lo) if total is None else total + psd * (hi - lo)
         weight += hi - lo
     return freqs, total / weight
@@ -82,26 +88,29 @@ def whitening_fir(freqs: np.ndarray, psd: np.ndarray, sample_rate: float, f_lowe
 
 
 def fir_whiten(padded: np.ndarray, fir: np.ndarray) -> np.ndarray:
-    """Whitened samples of ``padded`` (the wanted stretch plus ``h`` samples either side): length ``len - 2h``.
+    """Whitened samples of ``padded`` (the wanted stretch plus ``h`` samples either side): length ``len - 2h``,
+    in ``padded``'s precision (float32 or float64).
 
-    ``oaconvolve(padded, fir, "valid")`` (tested equal), by overlap-save with FFTs of about eight filter lengths
-    and the filter's spectrum computed once: 30% cheaper than scipy's choice of blocks for an 8,193-tap filter.
+    ``oaconvolve(padded, fir, "valid")`` (tested equal), by overlap-save: blocks of about four filter lengths,
+    all transformed in one batched FFT with the filter's spectrum computed once (1.4x cheaper than scipy's
+    blocks for an 8,193-tap filter in float64, 2.5x in float32).
     """
     from scipy.fft import irfft, next_fast_len, rfft
 
+    dtype = np.float32 if padded.dtype == np.float32 else np.float64
     m = len(fir)
     n_out = len(padded) - m + 1
     if n_out < 1:
         raise ValueError(f"{len(padded)} samples are too few for a filter of {m} taps")
-    n_fft = next_fast_len(min(8 * m, n_out + m - 1), real=True)
+    n_fft = next_fast_len(min(4 * m, n_out + m - 1), real=True)
     hop = n_fft - m + 1
-    kernel = rfft(fir, n_fft)
-    out = np.empty(n_out, dtype=np.result_type(padded.dtype, fir.dtype))
-    for start in range(0, n_out, hop):
-        block = irfft(rfft(padded[start:start + n_fft], n_fft) * kernel, n_fft)
-        take = min(hop, n_out - start)
-        out[start:start + take] = block[m - 1:m - 1 + take]
-    return out
+    n_blocks = -(-n_out // hop)
+    stretch = np.zeros((n_blocks - 1) * hop + n_fft, dtype=dtype)
+    stretch[:len(padded)] = padded
+    blocks = np.lib.stride_tricks.sliding_window_view(stretch, n_fft)[::hop]  # (n_blocks, n_fft), overlapping
+    spectra = rfft(blocks, axis=-1)
+    spectra *= rfft(fir.astype(dtype), n_fft)
+    return irfft(spectra, n_fft, axis=-1)[:, m - 1:].reshape(-1)[:n_out]
 
 
 def valid_range(n_samples: int, fir: np.ndarray) -> tuple[int, int]:
@@ -138,7 +147,7 @@ class _Copy:
 
 @dataclass
 class WhitenedSegment:
-    """One segment, each detector whitened into a float32 array (a memmap under ``work_dir``)."""
+    """One segment, each detector whitened into a float32 array (in memory, or a memmap under ``work_dir``)."""
 
     start: float  # GPS of sample 0
     sample_rate: float
@@ -154,20 +163,23 @@ class WhitenedSegment:
 
 def whiten_strain_set(data: StrainSet, cond: Conditioning, work_dir: Path, detectors: tuple[str, ...],
                       progress: Callable[[int], None] | None = None) -> list[WhitenedSegment]:
-    """Every segment of ``data`` whitened (per detector, its own PSD) into memmaps under ``work_dir``."""
+    """Every segment of ``data`` whitened (per detector, its own PSD) into float32 arrays: in memory when all of
+    them together fit in WHITENED_IN_MEMORY_BYTES, else memmaps under ``work_dir`` (a day of two detectors: 1.4 GB)."""
     work_dir.mkdir(parents=True, exist_ok=True)
+    in_memory = 4 * len(detectors) * sum(s.n_samples for s in data.segments) <= WHITENED_IN_MEMORY_BYTES
     out = []
     for k, seg in enumerate(data.segments):
         channels, psds, firs = {}, {}, {}
         for det in detectors:
             # read the file once: the PSD pass keeps a copy, in memory up to RAW_IN_MEMORY_BYTES, else on disk
             raw_path = work_dir / f"seg{k}_{det}.raw.npy"
-            raw = np.empty(seg.n_samples) if 8 * seg.n_samples <= RAW_IN_MEMORY_BYTES else \
-                np.lib.format.open_memmap(raw_path, mode="w+", dtype=np.float64, shape=(seg.n_samples,))
+            dtype = np.dtype(cond.dtype)
+            raw = np.empty(seg.n_samples, dtype) if dtype.itemsize * seg.n_samples <= RAW_IN_MEMORY_BYTES else \
+                np.lib.format.open_memmap(raw_path, mode="w+", dtype=dtype, shape=(seg.n_samples,))
             freqs, psd = segment_psd(data, k, det, cond, copy=raw)
             fir = whitening_fir(freqs, psd, seg.sample_rate, cond.f_lower)
-            mm = np.lib.format.open_memmap(work_dir / f"seg{k}_{det}.npy", mode="w+", dtype=np.float32,
-                                           shape=(seg.n_samples,))  # scratch: read back through the map, unflushed
+            mm = np.empty(seg.n_samples, np.float32) if in_memory else np.lib.format.open_memmap(
+                work_dir / f"seg{k}_{det}.npy", mode="w+", dtype=np.float32, shape=(seg.n_samples,))  # unflushed
             whiten_segment(_Copy(data, raw), k, det, fir, mm, int(cond.chunk_s * seg.sample_rate), progress)
             del raw
             raw_path.unlink(missing_ok=True)

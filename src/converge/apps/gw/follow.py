@@ -197,7 +197,7 @@ def follow_cnn(run_dir: Path, folder: Path, out: Path, search, idle_timeout: flo
     from .timing import read_timing
 
     model, config = load_model(GWApp(), Path(run_dir))
-    model = model.for_inference()
+    model = model.for_inference(copy_model=False)  # loaded for this search alone
     cfg = from_dict(GWConfig, config["app_config"], "app")
     measured = read_timing(Path(timing) if timing else Path(run_dir))
     offset = measured["offset_s"] if measured else 0.0

@@ -126,11 +126,12 @@ class DetectionCNN(nn.Module):
                             F.avg_pool1d(h, self.window_features, step // STRIDE)], dim=1)[0]  # (2C, n)
         return self.head_logits(pooled.T)
 
-    def for_inference(self) -> "DetectionCNN":
-        """An eval-mode copy for scoring, each BatchNorm folded into the convolution before it
-        (``torch.nn.utils.fusion.fuse_conv_bn_eval``): the same logits to float rounding (tested), and on a
-        CPU a third cheaper, since a BatchNorm of eval statistics costs about as much as the convolution."""
-        model = copy.deepcopy(self).eval()
+    def for_inference(self, copy_model: bool = True) -> "DetectionCNN":
+        """An eval-mode copy for scoring (``copy_model`` False: this model, changed in place), each BatchNorm
+        folded into the convolution before it (``torch.nn.utils.fusion.fuse_conv_bn_eval``): the same logits
+        to float rounding (tested), and on a CPU a third cheaper, since a BatchNorm of eval statistics costs
+        about as much as the convolution."""
+        model = (copy.deepcopy(self) if copy_model else self).eval()
         blocks = [model.features] + [m for m in model.features if isinstance(m, nn.Sequential)]
         for block in blocks:
             for i in range(len(block) - 1):

@@ -119,23 +119,26 @@ def colored_gaussian_noise(
 
 
 def welch_psd(
-    strain: np.ndarray, sample_rate: float, seg_duration: float = 4.0, average: str = "median"
+    strain: np.ndarray, sample_rate: float, seg_duration: float = 4.0, average: str = "median",
+    dtype: type = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One-sided PSD estimate [1/Hz] of ``strain`` by Welch's method: Hann windows of
     ``seg_duration`` s, 50% overlap, each segment's mean removed, ``average`` "median"
     (bias-corrected, robust to glitches and signals) or "mean". Returns ``(freqs [Hz], psd)``,
-    both ``(nperseg // 2 + 1,)``.
+    both ``(nperseg // 2 + 1,)``, the PSD in float64.
 
     The same estimate as ``scipy.signal.welch(x, fs, "hann", nperseg, nperseg // 2,
     average=average)`` (tested), three times cheaper on a search's blocks: the segments are a
     strided view (no copy), the mean is removed in the frequency domain (``rfft(w (x - m)) =
     rfft(w x) - m rfft(w)``) and the median is one ``np.partition`` (``np.median`` costs 4x more).
+    ``dtype`` float32 computes on the strain scaled to unit RMS (strain-sized powers would underflow
+    float32), about twice as fast again, to float32's 1e-7 (tested).
     """
     from scipy.fft import rfft
     from scipy.signal import get_window
 
     nperseg = int(round(seg_duration * sample_rate))
-    strain = np.asarray(strain, dtype=np.float64)
+    strain = np.asarray(strain)
     if strain.shape[-1] < nperseg:
         raise ValueError(
             f"welch_psd: the strain has {strain.shape[-1]} samples, fewer than one {seg_duration} s "
@@ -143,18 +146,29 @@ def welch_psd(
         )
     if average not in ("median", "mean"):
         raise ValueError(f"welch_psd: average={average!r}; use 'median' or 'mean'")
-    window = get_window("hann", nperseg)
+    scale = 1.0
+    if np.dtype(dtype) == np.float32:
+        scale = float(np.sqrt(np.mean(np.square(strain, dtype=np.float64)))) or 1.0
+        strain = np.multiply(strain, 1.0 / scale, dtype=np.float32)
+    else:
+        strain = strain.astype(np.float64, copy=False)
+    window = get_window("hann", nperseg).astype(strain.dtype)
     segments = np.lib.stride_tricks.sliding_window_view(strain, nperseg, axis=-1)[..., :: nperseg - nperseg // 2, :]
     spectra = rfft(segments * window, axis=-1)
     spectra -= segments.mean(axis=-1, keepdims=True) * rfft(window)
     power = spectra.real**2 + spectra.imag**2  # (..., n_segments, n_freq)
     n = power.shape[-2]
     if average == "mean" or n == 1:
-        psd = power.mean(axis=-2)
+        psd = power.mean(axis=-2, dtype=np.float64)
     else:
         mid = [n // 2] if n % 2 else [n // 2 - 1, n // 2]
-        psd = np.partition(power, mid, axis=-2)[..., mid, :].mean(axis=-2) / _median_bias(n)
-    psd /= sample_rate * np.sum(window**2)
+        if power.dtype == np.float32:  # float32 partitions faster along contiguous rows (float64 the other way)
+            rows = np.ascontiguousarray(np.swapaxes(power, -1, -2))
+            middle = np.partition(rows, mid, axis=-1)[..., mid]
+        else:
+            middle = np.swapaxes(np.partition(power, mid, axis=-2)[..., mid, :], -1, -2)
+        psd = middle.mean(axis=-1, dtype=np.float64) / _median_bias(n)
+    psd *= scale**2 / (sample_rate * np.sum(window.astype(np.float64) ** 2))
     psd[..., 1 : None if nperseg % 2 else -1] *= 2.0  # one-sided: all but DC (and Nyquist)
     return np.fft.rfftfreq(nperseg, 1.0 / sample_rate), psd
 

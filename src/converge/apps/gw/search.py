@@ -4,7 +4,7 @@ Stages, all in bounded memory:
 
 1. read the data (:mod:`.datafile`: the MLGWSC-1 layout or GWOSC files), check that it holds the
    run's detectors at the run's sample rate in segments long enough to whiten;
-2. whiten each detector of each segment with its own Welch PSD (:mod:`.conditioning`) into a
+2. whiten each detector of each segment with its own Welch PSD (:mod:`.conditioning`, in float32) into a
    float32 memmap in a work folder, ``chunk_s`` seconds at a time (removed afterwards);
 3. score windows of ``cfg.window`` s every ``stride`` s, all detectors stacked as channels
    (``(B, D, N)``); for time slide ``k`` (:mod:`.slides`) the second and later detectors are
@@ -21,7 +21,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -168,10 +168,12 @@ def search_cnn(run_dir: Path, data_paths: Any, out: Path, search: SearchConfig =
 
     t0 = time.perf_counter()
     model, config = load_model(GWApp(), Path(run_dir))
-    model = model.for_inference()
+    model = model.for_inference(copy_model=False)  # loaded for this search alone
     cfg = from_dict(GWConfig, config["app_config"], "app")
     data = open_strain(data_paths)
-    cond = search.conditioning
+    # the network takes float32 (the whitened strain is stored so): the conditioning computes in it, at half the
+    # cost of float64; the matched filter's stays float64, as its full-day figures were made (README)
+    cond = replace(search.conditioning, dtype="float32")
     check_data(data, cfg.network, cfg.sample_rate, cond.min_segment_s(cfg.window), f"the run {run_dir}")
     if search.slides:
         if len(cfg.network) != 2:
