@@ -94,7 +94,8 @@ class RequestFeed:
 
     Requests put from an event loop (``put(item, loop)``, the server's path) are piled on the loop and handed
     to the writer once per turn of the loop, so that the writer is woken once for all the requests one turn
-    reads, not once for each: every wake-up takes the GIL from the event loop.
+    reads, not once for each: every wake-up takes the GIL from the event loop. The loop must keep running
+    until its turn ends (a server's does), or the feed must be closed: either hands the pile over.
     """
 
     def __init__(self, conn: Connection, name: str) -> None:
@@ -116,8 +117,9 @@ class RequestFeed:
             return
         with self._cond:
             self._take_turn()
+            if not self._items:  # the writer takes the whole pile once awake: wake it once per pile
+                self._cond.notify()
             self._items.append(item)
-            self._cond.notify()
 
     def _end_turn(self) -> None:
         with self._cond:
