@@ -74,16 +74,19 @@ def simulate_train(args: argparse.Namespace) -> tuple[Path, float]:
                                           res.shards_computed > 0, grown=res.shards_skipped > 0)
 
 
+def library_folder(args: argparse.Namespace, stem: str) -> Path:
+    """``STEM`` for chno_1to4 (the first library made), else ``STEM-LIBRARY``, under ``--out``."""
+    return args.out / (stem if args.library == "chno_1to4" else f"{stem}-{args.library}")
+
+
 def train_dir(args: argparse.Namespace) -> Path:
-    """The training dataset of ``--library``: ``train`` for chno_1to4 (the first one made), else ``train-LIBRARY``."""
-    return args.out / ("train" if args.library == "chno_1to4" else f"train-{args.library}")
+    """The training dataset of ``--library``."""
+    return library_folder(args, "train")
 
 
 def run_dir(args: argparse.Namespace) -> Path:
-    """``run`` (``run-LIBRARY`` past chno_1to4), or ``run-VARIANT`` for ``--variant``."""
-    if args.variant:
-        return args.out / f"run-{args.variant}"
-    return args.out / ("run" if args.library == "chno_1to4" else f"run-{args.library}")
+    """The run of ``--library``, or ``run-VARIANT`` for ``--variant``."""
+    return args.out / f"run-{args.variant}" if args.variant else library_folder(args, "run")
 
 
 def test_molecules(args: argparse.Namespace) -> list[tuple[str, str]]:

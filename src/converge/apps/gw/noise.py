@@ -120,7 +120,7 @@ def colored_gaussian_noise(
 
 def welch_psd(
     strain: np.ndarray, sample_rate: float, seg_duration: float = 4.0, average: str = "median",
-    dtype: type = np.float64,
+    dtype: np.typing.DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One-sided PSD estimate [1/Hz] of ``strain`` by Welch's method: Hann windows of
     ``seg_duration`` s, 50% overlap, each segment's mean removed, ``average`` "median"
