@@ -82,6 +82,21 @@ def test_float32_conditioning_whitens_as_float64_does(noise_file, tmp_path):
         Conditioning(dtype="float16")
 
 
+@pytest.mark.parametrize("n_out", [40960 - 8192, 2 * 32768, 2 * 32768 + 1, 32768 - 1])
+def test_fir_whiten_writes_into_an_array_block_by_block(n_out):
+    """Blocks of a power of two of outputs (32,768 for 8,193 taps; whole blocks, one more sample, one fewer),
+    written into a strided ``out`` exactly as returned."""
+    from scipy.signal import oaconvolve
+
+    rng = np.random.default_rng(n_out)
+    x, fir = rng.standard_normal(n_out + 8192), rng.standard_normal(8193)
+    room = np.full(2 * n_out + 1, np.nan)
+    out = room[1::2]  # every other element: a view that a flat copy could not fill
+    assert fir_whiten(x, fir, out) is out
+    np.testing.assert_allclose(out, oaconvolve(x, fir, mode="valid"), rtol=0, atol=1e-9 * np.abs(out).max())
+    assert np.isnan(room[::2]).all()  # nothing written between
+
+
 def test_fir_whiten_refuses_a_stretch_shorter_than_the_filter():
     with pytest.raises(ValueError, match="too few for a filter of 9 taps"):
         fir_whiten(np.zeros(8), np.ones(9))

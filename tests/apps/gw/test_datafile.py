@@ -59,6 +59,24 @@ def test_gaps_are_refused_with_their_gps_time(tmp_path):
         data.read(0, "H1", 256 * 8, 256 * 12)
 
 
+def test_read_into_an_array_converts_and_still_refuses_gaps(tmp_path):
+    """A segment read straight into float32 memory (the CNN search's copy) holds the file's samples; NaN and inf
+    are still a gap; an array of the wrong shape or layout is refused."""
+    h = series(256 * 40, 3)
+    h[256 * 30] = np.inf
+    write_mlgwsc1(tmp_path / "d.hdf", [(GPS, {"H1": h, "L1": series(256 * 40, 4)})], FS)
+    data = open_strain(tmp_path / "d.hdf")
+    into = np.empty(256 * 20, np.float32)
+    assert data.read(0, "H1", 256, 256 * 21, into) is into
+    np.testing.assert_array_equal(into, h[256:256 * 21].astype(np.float32))
+    with pytest.raises(StrainFileError, match=r"H1 has 1 NaN/inf samples \(a data gap\).*GPS 1238166048\.000"):
+        data.read(0, "H1", 256 * 25, 256 * 35, np.empty(256 * 10, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        data.read(0, "L1", 0, 100, np.empty(200)[::2])
+    with pytest.raises(ValueError, match=r"give a C-contiguous \(100,\) one"):
+        data.read(0, "L1", 0, 100, np.empty(99))
+
+
 def test_mismatched_sample_rates_are_refused(tmp_path):
     gwosc(tmp_path, "H1", GPS, series(256 * 32, 1))
     gwosc(tmp_path, "L1", GPS, series(256 * 32, 2), rate=512.0)  # as many samples, at another rate

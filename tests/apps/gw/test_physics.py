@@ -199,6 +199,23 @@ def test_welch_psd_equals_scipy(n_samples, seg_duration, average):
     np.testing.assert_allclose(single, ref, rtol=1e-4, atol=0)  # the DC bin cancels the offset: 4e-5
 
 
+@pytest.mark.parametrize("group_bytes", [1, 3 * 1024 * 8, 2**30])
+def test_welch_psd_in_groups_of_segments_equals_scipy(monkeypatch, group_bytes):
+    """The segments are transformed a few at a time: one per group, groups that do not divide the 19 segments,
+    all in one; the same estimate in float64 and float32."""
+    from scipy.signal import welch
+
+    import converge.apps.gw.noise as noise
+
+    monkeypatch.setattr(noise, "WELCH_GROUP_BYTES", group_bytes)
+    x = np.random.default_rng(8).standard_normal((2, 10 * 1024)) * 1e-21
+    ref = welch(x, fs=1024.0, window="hann", nperseg=1024, noverlap=512, average="median")[1]
+    np.testing.assert_allclose(welch_psd(x, 1024.0, 1.0)[1], ref, rtol=1e-9, atol=0)
+    np.testing.assert_allclose(welch_psd(x, 1024.0, 1.0, dtype=np.float32)[1], ref, rtol=1e-4, atol=0)
+    np.testing.assert_allclose(welch_psd(x, 1024.0, 1.0, "mean")[1],
+                               welch(x, fs=1024.0, nperseg=1024, average="mean")[1], rtol=1e-9, atol=0)
+
+
 def test_welch_psd_error_paths():
     with pytest.raises(ValueError, match="fewer than one"):
         welch_psd(np.zeros(100), 2048)

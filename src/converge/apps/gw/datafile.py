@@ -63,16 +63,24 @@ class StrainSet:
         """Total seconds of data (per detector)."""
         return float(sum(s.duration for s in self.segments))
 
-    def read(self, segment: int, detector: str, start: int, stop: int) -> np.ndarray:
-        """Samples ``[start, stop)`` of ``detector`` in segment ``segment``, float64; NaN/inf refused."""
+    def read(self, segment: int, detector: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Samples ``[start, stop)`` of ``detector`` in segment ``segment``, float64, or converted by HDF5 into
+        ``out`` (C-contiguous, of that length and any float type) and returned; NaN/inf refused."""
         seg = self.segments[segment]
         if not 0 <= start <= stop <= seg.n_samples:
             raise ValueError(f"read [{start}, {stop}) outside segment {segment} of {seg.n_samples} samples")
+        if out is not None and (out.shape != (stop - start,) or not out.flags.c_contiguous):
+            raise ValueError(f"read into an array of shape {out.shape}: give a C-contiguous ({stop - start},) one")
         path, name = seg.sources[detector]
         with h5py.File(path, "r") as f:
-            data = np.asarray(f[name][start:stop], dtype=np.float64)
-        bad = ~np.isfinite(data)
-        if bad.any():
+            if out is None:
+                data = np.asarray(f[name][start:stop], dtype=np.float64)
+            else:
+                data = out
+                if stop > start:
+                    f[name].read_direct(data, np.s_[start:stop])
+        if len(data) and not (np.isfinite(data.min()) and np.isfinite(data.max())):  # a NaN propagates to both
+            bad = ~np.isfinite(data)
             first = seg.start + (start + int(np.flatnonzero(bad)[0])) / seg.sample_rate
             raise StrainFileError(f"{path}: {detector} has {int(bad.sum())} NaN/inf samples (a data gap) in "
                                   f"[{seg.start + start / seg.sample_rate:.3f}, "
