@@ -194,6 +194,11 @@ class App(ABC):
         """Outputs by name for a batch of validated inputs (called under inference mode)."""
         raise NotImplementedError(f"app {self.name!r} cannot be served")
 
+    def inference_model(self, model: nn.Module) -> nn.Module:
+        """The trained model (eval mode) as it is served: the same outputs to float rounding, rebuilt for speed
+        where the app knows how (gw folds each BatchNorm into its convolution); by default the model itself."""
+        return model
+
     # trust-gated serving (converge.serve.fallback): a sample the surrogate should not answer
     uncertainty_label: ClassVar[str] = "uncertainty"  # what App.uncertainty measures, with its unit
 

@@ -66,11 +66,20 @@ def test_gw_and_chem_runs_are_served_side_by_side(runs):
         water = post(c, "water", {"species": species, "coordinates": coords})
         shifted = post(c, "water", {"species": species, "coordinates": coords + np.float32(1.5)})
 
+    # served with each BatchNorm folded into its convolution (GWApp.inference_model): none is left, and the answers
+    # are the folded model's exactly, the trained model's to the served precision's rounding
+    assert not any(isinstance(m, torch.nn.BatchNorm1d) for m in models["gw-run"].module.modules())
+    assert any(isinstance(m, torch.nn.BatchNorm1d) for m in gw_model.modules())
+    folded = GWApp().inference_model(load_model(GWApp(), root / "gw-run")[0])
     with torch.inference_mode(), autocast_context(torch.device("cpu"), gw_precision):
-        direct = GWApp().serve_predict(gw_model, {"strain": torch.from_numpy(strain)})
+        direct = GWApp().serve_predict(folded, {"strain": torch.from_numpy(strain)})
+        trained = GWApp().serve_predict(gw_model, {"strain": torch.from_numpy(strain)})
     np.testing.assert_allclose(gw_out["logit"], direct["logit"].float().numpy(), rtol=1e-6, atol=1e-6)
+    rounding = 2e-2 if gw_precision == "bf16" else 1e-5  # bf16 keeps 8 bits of each product's mantissa
+    np.testing.assert_allclose(gw_out["logit"], trained["logit"].float().numpy(), rtol=rounding, atol=rounding)
     np.testing.assert_allclose(gw_out["probability"], 1 / (1 + np.exp(-gw_out["logit"])), rtol=1e-6)
 
+    assert ChemApp().inference_model(chem_model) is chem_model  # the contract's default: served as trained
     direct = ChemApp().serve_predict(chem_model, {"species": torch.from_numpy(species),
                                                   "coordinates": torch.from_numpy(coords)})
     assert water["energy"].dtype == np.float64 and water["forces"].shape == (4, 3, 3)

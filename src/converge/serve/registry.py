@@ -176,6 +176,7 @@ def load_served_model(run_dir: Path | str, name: str | None = None, version: str
     if not (run_dir / f"{which}.pt").is_file():
         raise ModelLoadError(f"{run_dir}: no {which}.pt checkpoint; has training finished an epoch?")
     model, config = load_model(app, run_dir, which, str(resolve_device(device)))
+    model = app.inference_model(model)
     precision = served_precision(app, config, resolve_device(device))
     return ServedModel(check_model_name(name or run_dir.resolve().name), model, list(inputs), list(outputs),
                        app.serve_predict, version=version, precision=precision, platform=f"converge-{app.name}",
@@ -203,6 +204,8 @@ def load_served_ensemble(run_dir: Path, name: str | None = None, version: str = 
         ensemble = load_ensemble(app, run_dir, which, str(resolve_device(device)))
     except (EnsembleError, FileNotFoundError) as err:
         raise ModelLoadError(f"{run_dir}: {err}") from None
+    for k, member in enumerate(ensemble.members):
+        ensemble.members[k] = app.inference_model(member)
     spreads = [TensorSpec(std_name(s.name), s.datatype, s.shape) for s in outputs]
     precision = served_precision(app, record, resolve_device(device))
     return ServedModel(check_model_name(name or run_dir.resolve().name), ensemble, list(inputs), [*outputs, *spreads],
