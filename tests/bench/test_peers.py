@@ -125,6 +125,11 @@ class _FakeServer:
     def counters(self):
         return None
 
+    def cpu_seconds(self):
+        """0.6 CPU seconds more at each call: the CPU of one load window."""
+        self.cpu = getattr(self, "cpu", 0.0) + 0.6
+        return self.cpu
+
 
 class _FakeLoad:
     """100 samples/s per client, p99 3 ms per client; after ``slower_after`` windows, 10% slower."""
@@ -173,6 +178,10 @@ def test_measure_peer_sweeps_every_setting_and_passes_over_one_that_will_not_sta
     assert [(r["settings"], r["concurrency"]) for r in out["sweep"]] == [
         ("b64-d2ms-w1", 1), ("b64-d2ms-w1", 8), ("b64-d10ms-w1", 1), ("b64-d10ms-w1", 8)]
     assert "confirm_sweep" not in out
+    # no sample count from MLServer: its CPU per sample is over the load's rate through warm-up and window (6 s)
+    assert [r["server_cpu_us_per_sample"] for r in out["sweep"][:2]] == pytest.approx([1e6 * 0.6 / (100 * 6.0),
+                                                                                         1e6 * 0.6 / (800 * 6.0)])
+    assert out["server_cpu_us_per_sample_best"] == pytest.approx(1e6 * 0.6 / (800 * 6.0))
     json.dumps(out, allow_nan=False)
 
 
@@ -429,8 +438,10 @@ def test_peer_serves_our_model_with_our_answers(peer, settings, tmp_path):
                     signature=(model.inputs, model.outputs)) as server, LoadProcess() as load:
         for sample in samples:  # two workers: each answers the same
             assert check_peer_answer(peer, server.infer(sample), model.predict(sample), "fp32") < 1e-5
+        cpu0 = server.cpu_seconds()
         result = load.run(server.target(samples), 4, 1.0, 0.2, timeout_s=10)
-        counted = server.counters()
+        counted, cpu1 = server.counters(), server.cpu_seconds()
+    assert 0 < cpu0 < cpu1  # the peer's server and its model instances, from /proc
     assert result.requests > 0 and result.errors == 0, result.error_examples
     if peer == "triton":  # Triton's own statistics: every request inferred, in batches
         assert counted[0] >= result.requests and 0 < counted[1] <= counted[0]

@@ -1,8 +1,14 @@
 """The serving benchmark: the load generator against the real `converge serve`, percentiles, the model's
 ceiling, the summary and the plot. A tiny untrained gw CNN stands in for a trained run (timing needs no skill)."""
 import json
+import math
+import os
 import random
+import subprocess
+import sys
+import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +23,7 @@ from converge.bench.serve import (
     summarize, write_results,
 )
 from converge.bench.serve_plot import plot_serve_sweep
-from converge.bench.server_process import ServeBenchError, ServerProcess
+from converge.bench.server_process import ServeBenchError, ServerProcess, process_cpu_seconds
 from converge.serve import ModelLoadError, load_served_model
 from converge.serve.protocol import check_inputs
 from converge.train.checkpoint import save_checkpoint
@@ -50,13 +56,33 @@ def test_percentiles_are_nearest_rank_on_a_known_list():
         latency_percentiles([1.0], (0,))
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="CPU seconds are read from Linux's /proc")
+def test_process_cpu_seconds_counts_live_children_and_is_nan_for_a_gone_process():
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        deadline = time.monotonic() + 30
+        while process_cpu_seconds(child.pid) < 0.45 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        burnt = process_cpu_seconds(child.pid)
+        assert 0.45 <= burnt < 5
+        ours = time.process_time()
+        assert process_cpu_seconds(os.getpid()) >= ours - 0.05 + burnt - 0.05  # this process and its child
+    finally:
+        child.kill()
+        child.wait()
+    assert math.isnan(process_cpu_seconds(child.pid))  # reaped: gone
+
+
 def test_loadgen_against_the_real_server(tiny_run, tmp_path):
     strain = example_inputs("gw", TINY, 3)["strain"]
     samples = [{"strain": strain[i:i + 1]} for i in range(3)]
     with ServerProcess(tiny_run, "gw", 64, tmp_path / "serve.log", startup_timeout_s=60) as server, \
             LoadProcess() as load:
+        cpu0 = server.cpu_seconds()
         results = [load.run(InferTarget.from_inputs(server.url, "gw", samples, binary), c, 1.0, 0.2, timeout_s=10)
                    for c, binary in ((1, True), (4, False))]
+        cpu1 = server.cpu_seconds()
         samples_done, calls = server.counters()
         wrong = load.run(InferTarget.from_inputs(server.url, "nope", samples), 1, 0.3, 0.0, timeout_s=10)
         v2 = InferTarget.from_inputs(server.url, "gw", samples, binary=False)
@@ -70,6 +96,7 @@ def test_loadgen_against_the_real_server(tiny_run, tmp_path):
         assert 0 < r.cpu_share < 1.5  # one asyncio thread: at most one core, plus measurement slack
         json.dumps(r.as_dict(), allow_nan=False)
     assert samples_done >= sum(r.requests for r in results) and 0 < calls <= samples_done
+    assert 0 < cpu0 < cpu1  # the server and its model process worked through the load
     assert wrong.requests == 0 and wrong.errors > 0 and wrong.p99_ms is None
     assert wrong.error_examples[0].startswith("HTTP 404: ") and "unknown model 'nope'" in wrong.error_examples[0]
     assert routed.requests > 0 and routed.errors == 0  # an explicit path: the same route as the default
@@ -136,6 +163,9 @@ def test_run_serve_benchmark_end_to_end(tiny_run, tmp_path):
         ("batched", "binary", 2), ("batched_2_instances", "binary", 2), ("batched_2_instances_1ms", "binary", 2),
         ("unbatched", "binary", 2), ("unbatched_thread", "binary", 1)]
     assert all(r["errors"] == 0 and r["requests"] > 0 for r in report["sweep"])
+    # the CPU the server and its model processes spent per sample (Linux: from /proc)
+    assert all(0 < r["server_cpu_us_per_sample"] < 1e6 for r in report["sweep"])
+    assert report["server_cpu_us_per_sample_batched_best"] > 0
     assert report["mode_batched_best"] in ("batched", "batched_2_instances", "batched_2_instances_1ms")
     assert report["settings_batched_best"]["instances"] == (1 if report["mode_batched_best"] == "batched" else 2)
     delayed = [r for r in report["sweep"] if r["mode"] == "batched_2_instances_1ms"]

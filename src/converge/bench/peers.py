@@ -32,7 +32,7 @@ from .peer_envs import PeerError, check_peer, ensure_peer_env, peer_versions
 from .peer_settings import (RUNTIMES, PeerSettings, mlserver_model_settings, mlserver_settings, native_settings,
                             settings_dict, triton_model_config)
 from .peer_wire import JSON_HEADERS, decode_v2_response, restore_output_shapes, v2_json_request
-from .server_process import free_port, log_tail
+from .server_process import free_port, log_tail, process_cpu_seconds
 
 if TYPE_CHECKING:
     from .serve import ServeBenchConfig  # serve imports this module: the config is only a type here
@@ -187,6 +187,10 @@ class PeerServer:
         got = decode_infer_response(answer.content, answer.headers.get(HEADER_LENGTH))
         return restore_output_shapes(got, {t.name: t.shape for t in self.signature[1]})
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds the peer's processes (its server and every model instance) have used so far."""
+        return process_cpu_seconds(self._proc.pid) if self._proc is not None else float("nan")
+
     def counters(self) -> tuple[float, float] | None:
         """(samples inferred, model executions) so far, from Triton's statistics; None for the other peers."""
         if self.peer != "triton":
@@ -242,12 +246,16 @@ def measure_settings(server: PeerServer, samples: Sequence[Mapping[str, np.ndarr
     max_diff = check_peer_answer(server.peer, server.infer(samples[0]), reference, precision)
     target, sweep = server.target(samples), []
     for concurrency in cfg.concurrencies:
-        before = server.counters()
+        before, cpu0 = server.counters(), server.cpu_seconds()
         row = load.run(target, concurrency, cfg.duration_s, cfg.warmup_s, cfg.timeout_s).as_dict()
-        after = server.counters()
+        after, cpu1 = server.counters(), server.cpu_seconds()
         batch = None if before is None else (after[0] - before[0]) / max(after[1] - before[1], 1)
+        # samples over the same span as the CPU seconds: the server's count (Triton), else the load's rate
+        # over its warm-up and window (MLServer, LitServe keep none)
+        served = after[0] - before[0] if before is not None else row["throughput_sps"] * (cfg.warmup_s + cfg.duration_s)
         sweep.append({"peer": server.peer, "format": PEER_FORMATS[server.peer], "settings": server.settings.label,
-                      **row, "mean_batch_size": batch})
+                      **row, "mean_batch_size": batch,
+                      "server_cpu_us_per_sample": 1e6 * (cpu1 - cpu0) / served if served > 0 else float("nan")})
     return {"settings": server.settings.label, "max_abs_diff_vs_ours": max_diff, "sweep": sweep}
 
 
@@ -296,7 +304,8 @@ def measure_peer(peer: str, run_dir: Path, name: str, signature: tuple[Sequence,
             out["confirm_error"] = again.get("error", "the second pass answered only errors")
     return out | {"max_abs_diff_vs_ours": max(r["max_abs_diff_vs_ours"] for r in runs if "error" not in r),
                   "throughput_best": best["throughput_sps"], "concurrency_best": best["concurrency"],
-                  "p99_ms_best": best["p99_ms"], "mean_batch_size_best": best["mean_batch_size"]}
+                  "p99_ms_best": best["p99_ms"], "mean_batch_size_best": best["mean_batch_size"],
+                  "server_cpu_us_per_sample_best": best.get("server_cpu_us_per_sample")}
 
 
 def _run_best(run: Mapping[str, Any]) -> dict:

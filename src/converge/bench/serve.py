@@ -212,11 +212,17 @@ def sweep_server(load: LoadProcess, server: ServerProcess, samples: list[dict[st
         target = InferTarget.from_inputs(server.url, server.name, samples, binary=fmt == "binary")
         for concurrency in mode.concurrencies or cfg.concurrencies:
             samples0, calls0 = server.counters()
+            cpu0 = server.cpu_seconds()
             result = load.run(target, concurrency, cfg.duration_s, cfg.warmup_s, cfg.timeout_s)
+            cpu1 = server.cpu_seconds()
             samples1, calls1 = server.counters()
+            # CPU per sample of the server and its model processes together, warm-up included on both sides:
+            # steadier than throughput on a shared machine, and what two vCPUs ration
+            cpu_us = 1e6 * (cpu1 - cpu0) / (samples1 - samples0) if samples1 > samples0 else float("nan")
             rows.append({"mode": mode.name, "max_batch_size": mode.max_batch_size, "settings": mode.settings,
                          "format": fmt, **result.as_dict(),
-                         "mean_batch_size": (samples1 - samples0) / max(calls1 - calls0, 1)})
+                         "mean_batch_size": (samples1 - samples0) / max(calls1 - calls0, 1),
+                         "server_cpu_us_per_sample": cpu_us})
     return rows
 
 
@@ -236,6 +242,7 @@ def summarize(sweep: Sequence[dict], ceiling: Sequence[dict], fmt: str, batched:
         out |= {"throughput_batched_best": best["throughput_sps"], "mode_batched_best": best["mode"],
                 "settings_batched_best": best.get("settings"), "concurrency_batched_best": best["concurrency"],
                 "p99_ms_batched_best": best["p99_ms"], "mean_batch_size_batched_best": best["mean_batch_size"],
+                "server_cpu_us_per_sample_batched_best": best.get("server_cpu_us_per_sample"),
                 "fraction_of_model_best": best["throughput_sps"] / ceiling_best["samples_per_s"]}
     if single is not None and best is not None and single["throughput_sps"] > 0:
         out["gain_vs_single_unbatched"] = best["throughput_sps"] / single["throughput_sps"]
