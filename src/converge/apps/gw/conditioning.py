@@ -102,9 +102,9 @@ def fir_whiten(padded: np.ndarray, fir: np.ndarray, out: np.ndarray | None = Non
     n_out = len(padded) - m + 1
     if n_out < 1:
         raise ValueError(f"{len(padded)} samples are too few for a filter of {m} taps")
-    hop = 1 << int(np.ceil(np.log2(max(3 * (m - 1), 1024))))
-    n_fft = next_fast_len(min(hop + m - 1, n_out + m - 1), real=True)
-    hop = n_fft - m + 1
+    outputs_per_block = 1 << int(np.ceil(np.log2(max(3 * (m - 1), 1024))))
+    n_fft = next_fast_len(min(outputs_per_block + m - 1, n_out + m - 1), real=True)
+    hop = n_fft - m + 1  # that power of two, unless the input is shorter or m - 1 has a factor above 5
     n_blocks = -(-n_out // hop)
     stretch = np.zeros((n_blocks - 1) * hop + n_fft, dtype=dtype)
     stretch[:len(padded)] = padded
