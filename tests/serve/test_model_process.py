@@ -275,3 +275,84 @@ def test_requests_put_on_an_event_loop_reach_the_child_as_one_pile_per_turn():
     except EOFError:  # the feed closed its end after the sentinel
         pass
     assert received == ["late", None]
+
+
+def test_pipe_room_counts_what_the_reader_has_not_read():
+    import multiprocessing as mp
+
+    from converge.serve.worker import enlarge_pipe, pipe_room
+
+    child, parent = mp.Pipe(False)
+    capacity = enlarge_pipe(parent.fileno())
+    if capacity == 0:
+        pytest.skip("pipe sizes are Linux's")
+    assert pipe_room(parent.fileno(), capacity) == capacity
+    parent.send_bytes(b"x" * 10_000)  # 4 bytes of length, then the message
+    assert pipe_room(parent.fileno(), capacity) == capacity - 10_004
+    child.recv_bytes()
+    assert pipe_room(parent.fileno(), capacity) == capacity
+    assert pipe_room(parent.fileno(), 0) == 0  # unknown capacity: never write from the loop
+
+
+def test_a_pile_the_pipe_has_no_room_for_goes_to_the_writer_and_the_loop_never_waits():
+    """The loop writes a turn's pile itself only when it fits; a larger one waits in the writer thread for the
+    child to read, and what the loop puts meanwhile queues behind it, in order."""
+    import asyncio
+    import multiprocessing as mp
+
+    from converge.serve.worker import RequestFeed
+
+    child, parent = mp.Pipe(False)
+    feed = RequestFeed(parent, "t")
+    big = b"x" * (3 * 2**20)  # more than the pipe holds: a write of it blocks until the child reads
+
+    async def turns():
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        feed.put(big, loop)
+        await asyncio.sleep(0)
+        feed.put("small", loop)
+        await asyncio.sleep(0)
+        return time.monotonic() - t0
+
+    assert asyncio.run(turns()) < 0.5  # nobody has read yet: the loop did not wait for the child
+    received = []
+    while len(received) < 2 and child.poll(5):  # one pile or two, as the writer woke
+        received += child.recv()
+    assert received == [big, "small"]
+    feed.close()
+
+
+def test_answers_read_on_the_servers_loop_settle_its_requests_and_survive_a_crash(models):
+    """start(loop): no reader thread; the loop reads the child's answers, a dead child is replaced, close()
+    from another thread answers what is queued."""
+    import asyncio
+    import threading
+
+    model = models.make()
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    b = ProcessBatcher(model.loader, BatchConfig(max_batch_size=4), model.name, start=False)
+    try:
+        b.start(loop)
+        assert b._reader is None and not any(t.name.startswith("results-") for t in threading.enumerate())
+
+        def infer(x):
+            return asyncio.run_coroutine_threadsafe(b.infer_async({"x": x}), loop).result(60)
+
+        np.testing.assert_array_equal(infer(batch(3))["y"], model.predict({"x": batch(3)})["y"])
+        first = b.pid
+        with pytest.raises(BatchFailed, match="worker process died"):
+            infer(batch(2, first=CRASH))
+        np.testing.assert_array_equal(infer(batch(2))["y"], model.predict({"x": batch(2)})["y"])
+        assert b.pid != first and b.restarts == 1
+        queued = [b.submit({"x": batch(1, first=-2.0 if i == 0 else i)}) for i in range(5)]
+        b.close()
+        assert all(f.result(0)["y"].shape == (1, 3) for f in queued)
+        assert not b.alive
+    finally:
+        b.close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

@@ -16,6 +16,7 @@ event loop (``Batcher.infer_async``), never a thread per request.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import hmac
 import time
@@ -282,8 +283,9 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
+            loop = asyncio.get_running_loop()  # a model process's answers are read on it, where they are awaited
             for b in batchers.values():  # a model process loads its model here: seconds
-                await anyio.to_thread.run_sync(b.start)
+                await anyio.to_thread.run_sync(b.start, loop)
             # the heap built so far (torch, the model, the app) stays out of the cyclic collector's scans: a full
             # collection of it stalled every request in flight for tens of milliseconds, the p99 under load
             gc.collect()

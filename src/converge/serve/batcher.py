@@ -165,12 +165,17 @@ def settle_waiters(batch: Sequence[Pending]) -> None:
 
 
 def hand_over(batch: Sequence[Pending]) -> None:
-    """From the worker: wake each event loop awaiting part of ``batch`` once, with all of its requests."""
+    """From the worker: wake each event loop awaiting part of ``batch`` once, with all of its requests (the loop
+    this runs on, if any, settles its own at once)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Pending]] = {}
     for p in batch:
         if p.waiter is not None:
             by_loop.setdefault(p.waiter.get_loop(), []).append(p)
+    here = asyncio._get_running_loop()  # None off a loop; the public get_running_loop raises there
     for loop, mine in by_loop.items():
+        if loop is here:
+            settle_waiters(mine)
+            continue
         try:
             loop.call_soon_threadsafe(settle_waiters, mine)
         except RuntimeError:  # the loop closed meanwhile: nobody is waiting
@@ -276,7 +281,8 @@ class Batcher(RequestQueue):
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._closing
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the worker thread (``loop``: unused; a thread settles its requests through their loops)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=f"batcher-{self.name}", daemon=True)
             self._thread.start()

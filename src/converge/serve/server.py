@@ -111,7 +111,7 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
         batch = BatchConfig(max_batch_size, max_queue_delay_us, max_queue_size, timeout_s, model_process, instances)
     except ValueError as err:
         raise ServeConfigError(str(err)) from None
-    if model_process:  # its request and result threads wait for the GIL after each pipe call: not 5 ms each
+    if model_process:  # a request writer thread (a pile the pipe has no room for) waits for the GIL: not 5 ms
         sys.setswitchinterval(min(sys.getswitchinterval(), MODEL_PROCESS_SWITCH_INTERVAL_S))
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
     app = build_app(runs, ServerSettings(batch, max_body_bytes, token, access_log, trust), device)

@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import math
 import multiprocessing as mp
+import struct
 import threading
 import time
 import traceback
@@ -31,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Hashable, Mapping
 
 import numpy as np
@@ -92,16 +94,19 @@ class RequestFeed:
     up to the switch interval. Written one by one (a multiprocessing ``Queue``),
     the requests reached the child at only ~2,300 a second.
 
-    Requests put from an event loop (``put(item, loop)``, the server's path) are piled on the loop and handed
-    to the writer once per turn of the loop, so that the writer is woken once for all the requests one turn
-    reads, not once for each: every wake-up takes the GIL from the event loop. The loop must keep running
-    until its turn ends (a server's does), or the feed must be closed: either hands the pile over.
+    Requests put from an event loop (``put(item, loop)``, the server's path) are piled on the loop and written
+    by the loop itself once per turn, all the requests one turn read as one message, when the writer has
+    nothing queued or in hand (so nothing overtakes it) and the pipe has room for the message (so the write
+    cannot block the loop). Otherwise the pile goes to the writer. Waking the writer for each pile took the
+    GIL from the event loop and left both cores idle a quarter of the time under load. The loop must keep
+    running until its turn ends (a server's does), or the feed must be closed: either hands the pile over.
     """
 
     def __init__(self, conn: Connection, name: str) -> None:
         self._conn, self._items, self._cond = conn, deque(), threading.Condition()
         self._turn: list = []  # put on the event loop during its current turn, handed over at its end
-        enlarge_pipe(conn.fileno())
+        self._writing = False  # the writer holds a pile it has not finished writing
+        self._capacity = enlarge_pipe(conn.fileno())
         self._thread = threading.Thread(target=self._write, name=f"requests-{name}", daemon=True)
         self._thread.start()
 
@@ -123,7 +128,20 @@ class RequestFeed:
 
     def _end_turn(self) -> None:
         with self._cond:
-            self._take_turn()
+            if not self._turn:
+                return
+            if self._items or self._writing:  # the writer is behind: the pile queues after its own
+                self._take_turn()
+                return
+            message = ForkingPickler.dumps(self._turn)
+            if len(message) + PIPE_MARGIN > pipe_room(self._conn.fileno(), self._capacity):
+                self._take_turn()  # the write could block the loop: the writer waits instead
+                return
+            self._turn.clear()
+            try:  # the condition held: nothing else writes meanwhile
+                self._conn.send_bytes(message)
+            except (OSError, ValueError):  # the child is gone: the result reader sees to it
+                pass
 
     def _take_turn(self) -> None:
         """Move the loop's pile to the writer (the condition held); wake it if it had nothing."""
@@ -140,10 +158,14 @@ class RequestFeed:
                     self._cond.wait()
                 pile = list(self._items)
                 self._items.clear()
+                self._writing = True
             try:
                 self._conn.send(pile)
             except (OSError, ValueError):  # the child is gone: the result reader sees to it
                 return
+            finally:
+                with self._cond:
+                    self._writing = False
             if pile[-1] is None:
                 return
 
@@ -165,14 +187,39 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
 PIPE_BYTES = 1 << 20  # Linux's default maximum for an unprivileged pipe (/proc/sys/fs/pipe-max-size)
 
 
-def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> None:
-    """Let one write of a pile of requests go through in one system call (64 KB pipes hold 8 gw windows)."""
+PIPE_MARGIN = 2 * 4096  # bytes kept free beyond a message: a pipe fills by pages, a last page may be part used
+
+
+def enlarge_pipe(fd: int, size: int = PIPE_BYTES) -> int:
+    """Let one write of a pile of requests go through in one system call (64 KB pipes hold 8 gw windows); the
+    pipe's capacity in bytes after (0 where that is not known: not Linux)."""
     try:
         import fcntl
-
+    except ImportError:
+        return 0
+    try:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
-    except (ImportError, OSError):  # not Linux, or over the system's limit: smaller writes, same result
+    except OSError:  # over the system's limit: smaller writes, same result
         pass
+    try:
+        return fcntl.fcntl(fd, getattr(fcntl, "F_GETPIPE_SZ", 1032))
+    except OSError:
+        return 0
+
+
+def pipe_room(fd: int, capacity: int) -> int:
+    """Bytes a write to pipe ``fd`` of ``capacity`` bytes can add without blocking: its capacity less what the
+    reader has not read yet (FIONREAD, which Linux answers on either end); 0 where that is not known."""
+    if capacity <= 0:
+        return 0
+    try:
+        import fcntl
+        import termios
+
+        unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except (ImportError, OSError):
+        return 0
+    return capacity - unread
 
 
 def serve_batches(requests: Connection, results: Connection, loader: Callable, config: BatchConfig, threads: int) -> None:
@@ -250,8 +297,10 @@ class ProcessBatcher(RequestQueue):
         self._broken: str | None = None
         self._proc = self._feed = self._results = None
         self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the answers are read, if not on _reader
+        self._read_all = threading.Event()  # the loop has read the last child's last answer
         self.restarts = 0
-        self.on_idle: Callable[[ProcessBatcher], None] | None = None  # called when a batch ends (reader thread)
+        self.on_idle: Callable[[ProcessBatcher], None] | None = None  # called when a batch ends (where it is read)
         if start:
             self.start()
 
@@ -267,11 +316,17 @@ class ProcessBatcher(RequestQueue):
     def running(self) -> bool:
         return self.alive and not self._closing and self._broken is None
 
-    def start(self) -> None:
-        """Start the child, wait until it has loaded the model, and start reading its answers."""
-        if self._reader is not None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the child, wait until it has loaded the model, and start reading its answers: on ``loop``, a
+        running event loop (the server's) that then settles its own requests as it reads them, or else on a
+        thread of their own. With ``loop``, call this and :meth:`close` from another thread: they wait."""
+        if self._reader is not None or self._loop is not None:
             return
         self._spawn()
+        if loop is not None:
+            self._loop = loop
+            loop.call_soon_threadsafe(self._watch_results)
+            return
         self._reader = threading.Thread(target=self._read_results, name=f"results-{self.name}", daemon=True)
         self._reader.start()
 
@@ -357,27 +412,59 @@ class ProcessBatcher(RequestQueue):
                     return
                 self._idle()
                 continue
-            kind, ids = message[0], message[1]
-            if kind == "start":
-                with self._lock:
-                    self._started.update(ids)
-                self._batch_started = time.monotonic()
-            elif kind == "done":
-                parts = dict(zip(ids, split_outputs(message[3], message[2])))
-                answered = self._pop(ids)
-                self._settle(answered, lambda p, request_id: p.future.set_result(parts[request_id]))
-                self._observe(message[4])
-            elif kind == "failed":
-                batch, record = self._pop(ids), message[3]
-                err = BatchFailed(f"model {self.name!r} failed on a batch of {record.samples} samples: {message[2]}")
-                self._settle(batch, lambda p, i: p.future.set_exception(err))
-                self._observe(record)
-            elif kind == "expired":
-                self._settle(self._pop(ids), lambda p, i: p.future.set_exception(RequestTimeout(
-                    f"model {self.name!r}: request waited longer than its timeout ({self.config.timeout_s:g} s) "
-                    "in the queue")))
-            if kind != "start":
-                self._idle()
+            self._answer(message)
+
+    def _watch_results(self) -> None:
+        """On the loop: read the child's answers as they arrive."""
+        self._loop.add_reader(self._results.fileno(), self._results_ready, self._results)
+
+    def _results_ready(self, results: Connection) -> None:
+        """On the loop: settle what the child has sent (whole messages: it writes each at once). Its end goes
+        to a thread, which may wait for the child and a new one to load."""
+        try:
+            while True:
+                self._answer(results.recv())
+                if not results.poll(0):
+                    return
+        except (EOFError, OSError):
+            self._loop.remove_reader(results.fileno())
+            threading.Thread(target=self._recover, name=f"recover-{self.name}", daemon=True).start()
+
+    def _recover(self) -> None:
+        """After the child's end was read on the loop: fail its batch, start another and read it on the loop."""
+        if not self._child_died():
+            self._read_all.set()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._watch_results)
+        except RuntimeError:  # the loop is closed: nobody left to answer
+            self._read_all.set()
+            return
+        self._loop.call_soon_threadsafe(self._idle)
+
+    def _answer(self, message: tuple) -> None:
+        """Settle one message of the child: a batch started, answered, failed or expired."""
+        kind, ids = message[0], message[1]
+        if kind == "start":
+            with self._lock:
+                self._started.update(ids)
+            self._batch_started = time.monotonic()
+        elif kind == "done":
+            parts = dict(zip(ids, split_outputs(message[3], message[2])))
+            answered = self._pop(ids)
+            self._settle(answered, lambda p, request_id: p.future.set_result(parts[request_id]))
+            self._observe(message[4])
+        elif kind == "failed":
+            batch, record = self._pop(ids), message[3]
+            err = BatchFailed(f"model {self.name!r} failed on a batch of {record.samples} samples: {message[2]}")
+            self._settle(batch, lambda p, i: p.future.set_exception(err))
+            self._observe(record)
+        elif kind == "expired":
+            self._settle(self._pop(ids), lambda p, i: p.future.set_exception(RequestTimeout(
+                f"model {self.name!r}: request waited longer than its timeout ({self.config.timeout_s:g} s) "
+                "in the queue")))
+        if kind != "start":
+            self._idle()
 
     def _idle(self) -> None:
         if self.on_idle is not None and not self.busy:
@@ -436,16 +523,21 @@ class ProcessBatcher(RequestQueue):
             feed = self._feed
         if feed is not None and self.alive:
             feed.put(None)
-        if self._reader is not None:
-            self._reader.join(timeout)
+        self._wait_for_reader(timeout)
         if self.alive:
             self._proc.kill()
-        if self._reader is not None:
-            self._reader.join(5)
+        self._wait_for_reader(5)
         if self._proc is not None:
             self._proc.join(5)
         if self._feed is not None:
             self._feed.close()
+
+    def _wait_for_reader(self, timeout: float | None) -> None:
+        """Until the answers' reader has read the child's end (``timeout`` s at most)."""
+        if self._reader is not None:
+            self._reader.join(timeout)
+        elif self._loop is not None:
+            self._read_all.wait(timeout)
 
     def __enter__(self) -> "ProcessBatcher":
         self.start()
@@ -501,12 +593,13 @@ class ModelInstances(RequestQueue):
     def running(self) -> bool:
         return any(m.running for m in self.members)
 
-    def start(self) -> None:
-        """Start every child at once (each loads the model: seconds); the first failure is raised."""
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start every child at once (each loads the model: seconds; answers read on ``loop`` as
+        :meth:`ProcessBatcher.start` reads them); the first failure is raised."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(len(self.members)) as pool:
-            for done in [pool.submit(m.start) for m in self.members]:
+            for done in [pool.submit(m.start, loop) for m in self.members]:
                 done.result()
 
     def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
