@@ -460,8 +460,14 @@ def test_serve_benchmark_with_all_peers_reports_each_at_its_best(tmp_path):
     grid = parse_peer_grid("triton.max_batch_size=64 triton.delay_ms=0 mlserver.delay_ms=2 mlserver.workers=1 "
                            "litserve.delay_ms=1", peers)  # triton 1-2 workers, litserve 1-2
     cfg = ServeBenchConfig(concurrencies=(1, 4), duration_s=0.5, warmup_s=0.1, formats=("binary", "json"),
-                           ceiling_batches=(1, 4), ceiling_min_time_s=0.05, peers=peers, peer_grid=grid)
+                           ceiling_batches=(1, 4), ceiling_min_time_s=0.05, peers=peers, peer_grid=grid,
+                           head_to_head_rounds=2)
     report = run_serve_benchmark(run, cfg, log_dir=tmp_path)
+    duel = report["head_to_head"]  # ours and the hardest peer up at once, loaded in turn
+    assert "error" not in duel, duel.get("error")
+    assert duel["peer"] == report["peer"] and duel["peer_settings"] == report["peers"][duel["peer"]]["settings_best"]
+    assert len(duel["rows"]) == 2 * 2 * len(duel["concurrencies"]) and len(duel["gain_per_round"]) == 2
+    assert duel["gain_median"] > 0 and "head_to_head" in headline(report)
     assert sorted(report["peers"]) == sorted(peers) and report["peer"] in peers
     for name, measured in report["peers"].items():
         assert "error" not in measured, measured.get("error")

@@ -44,6 +44,7 @@ from .loadgen import InferTarget, LoadProcess
 from .server_process import ServeBenchError, ServerProcess, check_server
 from .peer_envs import DEFAULT_ENV_ROOT, PEERS, ensure_peer_env
 from .peer_settings import PeerSettings, check_settings, default_grid, parse_peer_grid
+from .head_to_head import ROUNDS, measure_head_to_head
 from .peers import PEER_FORMATS, PeerError, compare_with_peers, fastest_clean, measure_peer
 from .serve_plot import plot_serve_sweep
 
@@ -109,10 +110,13 @@ class ServeBenchConfig:
     peer_grid: dict[str, tuple[PeerSettings, ...]] = field(default_factory=dict)  # absent: default_grid(peer)
     peer_env_root: str = str(DEFAULT_ENV_ROOT)  # their virtual environments, made on first use
     peer_confirm: bool = True  # sweep each peer's selected setting again and report that pass
+    head_to_head_rounds: int = ROUNDS  # ours and the hardest peer up at once, loaded in turn (0: not measured)
 
     def __post_init__(self) -> None:
         if not self.concurrencies or any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies={self.concurrencies}: give one or more clients counts >= 1")
+        if self.head_to_head_rounds < 0:
+            raise ValueError(f"head_to_head_rounds={self.head_to_head_rounds}: give 0 (none) or more rounds")
         if not self.duration_s > 0 or self.warmup_s < 0:
             raise ValueError(f"duration_s={self.duration_s}, warmup_s={self.warmup_s}: need duration > 0, warm-up >= 0")
         if not self.formats or set(self.formats) - set(FORMATS):
@@ -294,8 +298,17 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
             except (PeerError, ValueError) as err:
                 print(f"error: {err}", file=sys.stderr)
                 peers[peer] = {"peer": peer, "error": str(err)}
-    batched = tuple(m.name for m in cfg.modes if m.batched) or (max(cfg.modes, key=lambda m: m.max_batch_size).name,)
-    comparison = compare_with_peers(sweep, peers, batched) if cfg.peers else {}
+        batched = (tuple(m.name for m in cfg.modes if m.batched)
+                   or (max(cfg.modes, key=lambda m: m.max_batch_size).name,))
+        comparison = compare_with_peers(sweep, peers, batched) if cfg.peers else {}
+        duel = {}
+        if comparison.get("peer") and cfg.head_to_head_rounds > 0:
+            try:
+                duel = {"head_to_head": measure_head_to_head(run_dir, config["app"], comparison, peers, sweep,
+                                                             samples, signature, load, cfg, logs, threads)}
+            except PeerError as err:  # the sweeps stand; the report says why the duel is missing
+                print(f"error: {err}", file=sys.stderr)
+                duel = {"head_to_head": {"peer": comparison["peer"], "error": str(err)}}
     for peer, ours in comparison.pop("vs_peers", {}).items():
         peers[peer]["ours_at_equal_p99"] = ours
     by_format = {fmt: summarize(sweep, ceiling, fmt, batched) for fmt in cfg.formats}
@@ -308,7 +321,7 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
         "model_only": ceiling, "model_only_single": single,
         "model_only_best": {"samples_per_s": best["samples_per_s"], "batch_size": best["batch_size"]},
         **by_format[cfg.formats[0]], "by_format": by_format, "sweep": sweep,
-        **({"peers": peers, **comparison, "like_for_like": LIKE_FOR_LIKE} if cfg.peers else {}),
+        **({"peers": peers, **comparison, "like_for_like": LIKE_FOR_LIKE} if cfg.peers else {}), **duel,
         "loadgen_cpu_share_max": max(r["cpu_share"] for r in sweep),
         "loadgen_cpu_share_mean": float(np.mean([r["cpu_share"] for r in sweep])),
         "seconds": time.perf_counter() - t0,
@@ -333,6 +346,10 @@ def headline(report: Mapping[str, Any]) -> dict:
                                                     for f, r in report["by_format"].items()}
     if report.get("peers"):
         out["peers"] = {name: tidy(peer_headline(p)) for name, p in report["peers"].items()}
+    if report.get("head_to_head"):
+        duel = report["head_to_head"]
+        out["head_to_head"] = tidy({k: duel[k] for k in ("peer", "gain_median", "gain_per_round",
+                                                         "throughput_best_median", "meets_target")})
     return out
 
 

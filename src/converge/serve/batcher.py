@@ -164,6 +164,14 @@ def settle_waiters(batch: Sequence[Pending]) -> None:
             p.waiter.set_result(p.future.result(0))
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def hand_over(batch: Sequence[Pending]) -> None:
     """From the worker: wake each event loop awaiting part of ``batch`` once, with all of its requests (the loop
     this runs on, if any, settles its own at once)."""
@@ -171,7 +179,7 @@ def hand_over(batch: Sequence[Pending]) -> None:
     for p in batch:
         if p.waiter is not None:
             by_loop.setdefault(p.waiter.get_loop(), []).append(p)
-    here = asyncio._get_running_loop()  # None off a loop; the public get_running_loop raises there
+    here = running_loop()
     for loop, mine in by_loop.items():
         if loop is here:
             settle_waiters(mine)

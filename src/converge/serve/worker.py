@@ -38,7 +38,8 @@ from typing import Callable, Hashable, Mapping
 import numpy as np
 
 from .batcher import (BatchConfig, BatchFailed, BatchRecord, Pending, QueueFull, RequestQueue, RequestTimeout,
-                      ShuttingDown, collect_batch, hand_over, predict_batch, shape_key, split_outputs)
+                      ShuttingDown, collect_batch, hand_over, predict_batch, running_loop, shape_key,
+                      split_outputs)
 
 READY_TIMEOUT_S = 300.0
 
@@ -174,14 +175,6 @@ class RequestFeed:
         self.put(None)
         self._thread.join(5)
         self._conn.close()
-
-
-def running_loop() -> asyncio.AbstractEventLoop | None:
-    """The event loop running in this thread, if any."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 PIPE_BYTES = 1 << 20  # Linux's default maximum for an unprivileged pipe (/proc/sys/fs/pipe-max-size)
@@ -626,7 +619,7 @@ class ModelInstances(RequestQueue):
         return pending
 
     def _member_idle(self, member: ProcessBatcher) -> None:
-        """A child ended a batch: the requests held here become its next one (the child's reader thread)."""
+        """A child ended a batch: the requests held here become its next one (where its answers are read)."""
         with self._lock:
             if not member.running:
                 if not any(m.running for m in self.members):

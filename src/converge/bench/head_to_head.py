@@ -1,0 +1,114 @@
+"""Ours against the hardest peer, both servers up at once and loaded in turn: a ratio that drift cannot bias.
+
+The sweeps of :mod:`.serve` measure our set-ups first and each peer after, minutes
+apart. On a shared 2-vCPU machine the speed of the whole machine drifts by more
+than the gap between two servers over such spans (in one run Triton's grid best
+was 5,716 /s and the confirming pass of the same setting, minutes later, 3,619).
+Here our server at its selected set-up and the peer at its best settings run side by
+side, idle but for the window being measured, and the load generator alternates
+between them: ours then the peer's at each concurrency, the order reversed every
+round. Each round gives one gain, computed as the sweeps' is (:func:`round_gain`):
+our best throughput at a p99 no worse than the peer's at its best, over the peer's
+best. The median over rounds is the figure.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .loadgen import InferTarget, LoadProcess
+from .peer_envs import ensure_peer_env
+from .peer_settings import PeerSettings
+from .peers import GAIN_TARGETS, PEER_FORMATS, PeerServer, fastest_clean
+from .server_process import ServerProcess
+
+if TYPE_CHECKING:
+    from .serve import ServeBenchConfig
+
+ROUNDS = 4
+CONCURRENCIES = (32, 64, 128)  # where every server's best lay in the sweeps
+
+
+def clean(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in rows if r["errors"] == 0 and r["requests"] > 0 and r["p99_ms"] is not None]
+
+
+def round_gain(ours: Sequence[Mapping[str, Any]], peer: Sequence[Mapping[str, Any]]) -> float | None:
+    """Our fastest clean row with a p99 at most that of the peer's fastest clean row, over the peer's throughput;
+    0.0 when no row of ours is as quick, None when the peer has no clean row."""
+    theirs = max(clean(peer), key=lambda r: r["throughput_sps"], default=None)
+    if theirs is None:
+        return None
+    fits = [r for r in clean(ours) if r["p99_ms"] <= theirs["p99_ms"]]
+    best = max(fits, key=lambda r: r["throughput_sps"], default=None)
+    return best["throughput_sps"] / theirs["throughput_sps"] if best is not None else 0.0
+
+
+def load_in_turn(load: LoadProcess, targets: Mapping[str, InferTarget], cpu: Mapping[str, Callable[[], float]],
+                 concurrencies: Sequence[int], rounds: int, duration_s: float, warmup_s: float,
+                 timeout_s: float) -> list[dict]:
+    """``rounds`` rounds over ``concurrencies``; at each, every target in turn (order reversed on odd rounds).
+    One row per window: the load result, the round, whose it was and the CPU per sample of every server (the
+    idle one's shows it stayed idle)."""
+    rows, names = [], list(targets)
+    for k in range(rounds):
+        for concurrency in concurrencies:
+            for name in (names if k % 2 == 0 else names[::-1]):
+                before = {n: f() for n, f in cpu.items()}
+                result = load.run(targets[name], concurrency, duration_s, warmup_s, timeout_s).as_dict()
+                used = {n: f() - before[n] for n, f in cpu.items()}
+                served = result["throughput_sps"] * (warmup_s + duration_s)
+                rows.append({"round": k, "server": name, **result,
+                             "server_cpu_us_per_sample": 1e6 * used[name] / served if served > 0 else float("nan"),
+                             "cpu_share_of_others": {n: s / (warmup_s + duration_s) for n, s in used.items()
+                                                     if n != name}})
+    return rows
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], ours: str, peer: str, target: float) -> dict:
+    """Per-round gains (:func:`round_gain`), their median and the spread, beside the target."""
+    rounds = sorted({r["round"] for r in rows})
+    gains = [round_gain([r for r in rows if r["round"] == k and r["server"] == ours],
+                        [r for r in rows if r["round"] == k and r["server"] == peer]) for k in rounds]
+    gains = [g for g in gains if g is not None]
+    median = statistics.median(gains) if gains else None
+
+    def best(name: str) -> float | None:
+        values = [max((r["throughput_sps"] for r in clean(rows) if r["round"] == k and r["server"] == name),
+                      default=0.0) for k in rounds]
+        return statistics.median(values) if values else None
+
+    return {"gain_per_round": gains, "gain_median": median, "gain_min": min(gains, default=None),
+            "gain_max": max(gains, default=None), "throughput_best_median": {ours: best(ours), peer: best(peer)},
+            "gain_target": target, "meets_target": median is not None and median >= target}
+
+
+def measure_head_to_head(run_dir: Path, name: str, comparison: Mapping[str, Any], peers: Mapping[str, Mapping],
+                         sweep: Sequence[Mapping], samples: list[dict[str, np.ndarray]], signature: tuple,
+                         load: LoadProcess, cfg: "ServeBenchConfig", logs: Path, threads: int) -> dict:
+    """:mod:`.head_to_head` against the peer hardest to beat: our set-up of the point beside it (else our
+    fastest batched one) and the peer's best settings, both started, then loaded in turn."""
+    rival = comparison["peer"]
+    fmt, ours_mode = PEER_FORMATS[rival], comparison["vs_peers"][rival].get("mode")
+    if ours_mode is None:
+        ours_mode = fastest_clean([r for r in sweep if r["format"] == fmt and r["max_batch_size"] > 1])["mode"]
+    mode = next(m for m in cfg.modes if m.name == ours_mode)
+    settings = PeerSettings(**peers[rival]["settings_best"])
+    python = ensure_peer_env(rival, cfg.peer_env_root)
+    with ServerProcess(run_dir, name, mode.max_batch_size, logs / "serve-head-to-head.log", cfg.device,
+                       cfg.startup_timeout_s, threads, mode.model_process, mode.instances,
+                       mode.max_queue_delay_us) as ours, \
+            PeerServer(rival, python, run_dir, name, logs / f"peer-{rival}-head-to-head.log", settings, threads,
+                       cfg.startup_timeout_s, signature) as peer:
+        targets = {"converge": InferTarget.from_inputs(ours.url, name, samples, binary=fmt == "binary"),
+                   rival: peer.target(samples)}
+        rows = load_in_turn(load, targets, {"converge": ours.cpu_seconds, rival: peer.cpu_seconds},
+                            CONCURRENCIES, cfg.head_to_head_rounds, cfg.duration_s, cfg.warmup_s,
+                            cfg.timeout_s)
+    return {"peer": rival, "format": fmt, "ours_settings": {"mode": mode.name, **mode.settings},
+            "peer_settings": peers[rival]["settings_best"], "concurrencies": list(CONCURRENCIES),
+            "rounds": cfg.head_to_head_rounds, "duration_s": cfg.duration_s,
+            **summarize(rows, "converge", rival, GAIN_TARGETS[rival]), "rows": rows}
