@@ -1,10 +1,9 @@
 """Ours against the hardest peer, both servers up at once and loaded in turn: a ratio that drift cannot bias.
 
 The sweeps of :mod:`.serve` measure our set-ups first and each peer after, minutes
-apart. On a shared 2-vCPU machine the speed of the whole machine drifts by more
-than the gap between two servers over such spans (in one run Triton's grid best
-was 5,716 /s and the confirming pass of the same setting, minutes later, 3,619).
-Here our server at its selected set-up and the peer at its best settings run side by
+apart. On a shared 2-vCPU machine the speed of the whole machine can drift by more
+than the gap between two servers over such spans (the README's serve section shows
+a peer's grid best and its confirming pass of the same setting far apart). Here our server at its selected set-up and the peer at its best settings run side by
 side, idle but for the window being measured, and the load generator alternates
 between them: ours then the peer's at each concurrency, the order reversed every
 round. Each round gives one gain, computed as the sweeps' is (:func:`round_gain`):
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
     from .serve import ServeBenchConfig
 
 ROUNDS = 4
-CONCURRENCIES = (32, 64, 128)  # where every server's best lay in the sweeps
+CONCURRENCIES = (32, 64, 128)  # where the batched servers' bests lie on two cores (serve.json's sweeps)
 
 
 def clean(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

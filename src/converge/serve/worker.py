@@ -99,7 +99,7 @@ class RequestFeed:
     by the loop itself once per turn, all the requests one turn read as one message, when the writer has
     nothing queued or in hand (so nothing overtakes it) and the pipe has room for the message (so the write
     cannot block the loop). Otherwise the pile goes to the writer. Waking the writer for each pile took the
-    GIL from the event loop and left both cores idle a quarter of the time under load. The loop must keep
+    GIL from the event loop and left the cores idle while requests waited (README, serve). The loop must keep
     running until its turn ends (a server's does), or the feed must be closed: either hands the pile over.
     """
 
