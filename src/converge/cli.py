@@ -341,6 +341,9 @@ def serve_cmd(
     fallback_queue: Optional[Path] = typer.Option(None, help="Keep each simulator answer here as an .npz "
                                                              "(training data; see converge.serve.fallback)."),
     fallback_workers: int = typer.Option(1, help="Simulator threads."),
+    direct_infer: bool = typer.Option(True, "--direct-infer/--asgi-infer",
+                                      help="Answer POST .../infer straight from the HTTP protocol (with httptools); "
+                                           "--asgi-infer sends it through the ASGI app like every other route."),
 ) -> None:
     """Serve trained runs over the Open Inference Protocol (KServe v2) with dynamic batching.
 
@@ -362,7 +365,7 @@ def serve_cmd(
     try:
         serve(runs, host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
               max_queue_size=max_queue_size, token=token, insecure=insecure, device=device, access_log=access_log,
-              model_process=model_process, instances=instances, trust=trust)
+              model_process=model_process, instances=instances, trust=trust, direct_infer=direct_infer)
     except (ServeConfigError, ModelLoadError, TrustSetupError) as err:
         _fail(str(err))
 

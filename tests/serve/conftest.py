@@ -56,13 +56,17 @@ def known() -> Known:
 
 
 @contextlib.contextmanager
-def _live_server(app, start_timeout: float = 20.0):
+def _live_server(app, start_timeout: float = 20.0, direct_infer: bool = True):
+    """uvicorn on loopback with the HTTP protocol `converge serve` uses (the direct infer path, unless not)."""
     import uvicorn
+
+    from converge.serve.server import http_protocol
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # loopback only, a free port chosen by the OS
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           http=http_protocol("httptools", direct_infer)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
@@ -81,5 +85,6 @@ def _live_server(app, start_timeout: float = 20.0):
 
 @pytest.fixture
 def live_server():
-    """``with live_server(app) as url:`` runs ``app`` under uvicorn on 127.0.0.1."""
+    """``with live_server(app) as url:`` runs ``app`` under uvicorn on 127.0.0.1 (``direct_infer=False``: infer
+    through the ASGI app)."""
     return _live_server

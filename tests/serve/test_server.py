@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from converge.serve import BatchConfig, Client, ModelLoadError, ServerSettings, create_app
+from converge.serve.direct import DirectInferProtocol
 from converge.serve.server import (ServeConfigError, check_bind, event_loop_and_parser, is_loopback, load_runs,
                                    parse_run, serve)
 
@@ -120,3 +121,18 @@ def test_uvloop_and_httptools_are_chosen_when_installed(monkeypatch, caplog):
     assert "httptools not installed" in caplog.text and "uvicorn[standard]" in caplog.text
 
 
+
+
+@pytest.mark.parametrize("direct, parser, expected", [
+    (True, "httptools", DirectInferProtocol), (False, "httptools", "httptools"), (True, "h11", "h11")])
+def test_serve_runs_uvicorn_with_the_direct_infer_protocol_on_httptools(monkeypatch, known, direct, parser, expected):
+    import uvicorn
+
+    from converge.serve import server
+
+    seen = {}
+    monkeypatch.setattr(server, "build_app", lambda runs, settings, device: create_app({"linear": known.model()}))
+    monkeypatch.setattr(server, "event_loop_and_parser", lambda: ("asyncio", parser))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    server.serve(["unused"], model_process=False, direct_infer=direct)
+    assert seen["http"] is expected and seen["loop"] == "asyncio"

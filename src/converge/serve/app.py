@@ -22,7 +22,7 @@ import hmac
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import anyio
 import torch
@@ -86,6 +86,11 @@ def error_response(err: Exception) -> JSONResponse:
     return JSONResponse({"error": str(err)}, status, headers=headers)
 
 
+def unauthorized_response() -> JSONResponse:
+    return JSONResponse({"error": "missing or wrong bearer token; send 'Authorization: Bearer <token>'"}, 401,
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
 def authorized(header: str | None, token: str) -> bool:
     scheme, _, given = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
@@ -120,12 +125,17 @@ def find_model(models: Mapping[str, ServedModel], name: str, version: str | None
     return model
 
 
-def header(scope: Scope, name: bytes) -> str | None:
-    """The first value of header ``name`` (lower case) in an ASGI scope."""
-    for key, value in scope["headers"]:
+def first_header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The first value of header ``name`` (lower case) among ``(name, value)`` pairs, as ASGI and httptools give."""
+    for key, value in headers:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower case) in an ASGI scope."""
+    return first_header(scope["headers"], name)
 
 
 class GuardAndLog:
@@ -155,9 +165,7 @@ class GuardAndLog:
         try:
             if token and scope["path"] not in UNAUTHENTICATED \
                     and not authorized(header(scope, b"authorization"), token):
-                refusal = JSONResponse({"error": "missing or wrong bearer token; send 'Authorization: Bearer <token>'"},
-                                       401, headers={"WWW-Authenticate": "Bearer"})
-                await refusal(scope, receive, send_and_note)
+                await unauthorized_response()(scope, receive, send_and_note)
             else:
                 await self.app(scope, receive, send_and_note)
         finally:
@@ -181,12 +189,36 @@ class LabelledRoute(Route):
         await super().handle(scope, receive, send)
 
 
-class InferEndpoint:
-    """POST /v2/models/NAME[/versions/V]/infer as a raw ASGI app, the one hot path of the server.
+class Reply(NamedTuple):
+    """An HTTP answer: status, headers (lower-case bytes, as ASGI spells them; content-length is added when
+    sent) and body."""
 
-    No Request/Response objects or exception wrappers: every failure becomes its
-    JSON error here, and the answer goes out as two ASGI messages.
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    content: bytes
+
+
+def as_reply(response: Response) -> Reply:
+    """A rendered Starlette response as a :class:`Reply`."""
+    return Reply(response.status_code, [(k, v) for k, v in response.raw_headers if k != b"content-length"],
+                 response.body)
+
+
+def error_reply(err: Exception) -> Reply:
+    """The JSON error ``err`` is answered with (:func:`error_response`'s status, headers and body)."""
+    return as_reply(error_response(err))
+
+
+class InferEndpoint:
+    """POST /v2/models/NAME[/versions/V]/infer, the one hot path of the server.
+
+    :meth:`answer` turns a request's body into its :class:`Reply` (every failure
+    is its JSON error); as an ASGI app it reads the body, answers and sends the
+    reply as two messages, and :mod:`converge.serve.direct` calls it straight
+    from the HTTP protocol.
     """
+
+    ROUTES = ("/v2/models/{name}/versions/{version}/infer", "/v2/models/{name}/infer")
 
     def __init__(self, models: Mapping[str, ServedModel], batchers: Mapping[str, RequestQueue], settings: ServerSettings,
                  metrics: ServerMetrics, gates: Mapping[str, TrustGate] | None = None) -> None:
@@ -194,7 +226,7 @@ class InferEndpoint:
         self.gates = dict(gates or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        params, limits = scope["path_params"], self.settings.batch
+        params = scope["path_params"]
         try:
             model = find_model(self.models, params["name"], params.get("version"))
             body = await read_body(receive, header(scope, b"content-length"), self.settings.max_body_bytes)
@@ -202,8 +234,16 @@ class InferEndpoint:
             return await error_response(err)(scope, receive, send)
         if body is None:
             return  # the client is gone: nobody to answer
+        reply = await self.answer(model, body, header(scope, HEADER_LENGTH_KEY))
+        raw = [*reply.headers, (b"content-length", str(len(reply.content)).encode("latin-1"))]
+        await send({"type": "http.response.start", "status": reply.status, "headers": raw})
+        await send({"type": "http.response.body", "body": reply.content})
+
+    async def answer(self, model: ServedModel, body: bytes, header_length: str | None) -> Reply:
+        """The reply to an infer request for ``model`` with ``body`` (and its binary header length, if any)."""
+        limits = self.settings.batch
         try:
-            parsed = parse_infer_request(body, header(scope, HEADER_LENGTH_KEY), model.inputs, model.all_outputs)
+            parsed = parse_infer_request(body, header_length, model.inputs, model.all_outputs)
             if parsed.batch_size > limits.max_batch_size:
                 raise ValidationError(f"{parsed.batch_size} samples exceed max_batch_size={limits.max_batch_size}; "
                                       "split the request")
@@ -213,17 +253,14 @@ class InferEndpoint:
                 results = await gate.review(parsed.inputs, results)
         except tuple(ERRORS) as err:
             self.metrics.request_done(model.name, next(r for cls, (_, r) in ERRORS.items() if isinstance(err, cls)))
-            return await error_response(err)(scope, receive, send)
+            return error_reply(err)
         try:
             content, headers = encode_infer_response(model.name, model.version, parsed, results)
         except ValueError as err:  # e.g. NaN asked for as JSON
             self.metrics.request_done(model.name, "model_error")
-            return await error_response(ServeError(500, f"model {model.name!r}: {err}"))(scope, receive, send)
+            return error_reply(ServeError(500, f"model {model.name!r}: {err}"))
         self.metrics.request_done(model.name, None)
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw.append((b"content-length", str(len(content)).encode("latin-1")))
-        await send({"type": "http.response.start", "status": 200, "headers": raw})
-        await send({"type": "http.response.body", "body": content})
+        return Reply(200, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()], content)
 
 
 class ServingApp(FastAPI):
@@ -345,7 +382,8 @@ def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = Ser
         return JSONResponse({"name": name, "ready": ok}, 200 if ok else 503)
 
     infer = InferEndpoint(models, batchers, settings, metrics, gates)
-    for path in ("/v2/models/{name}/versions/{version}/infer", "/v2/models/{name}/infer"):
+    app.state.infer, app.state.access_log = infer, log  # what the direct HTTP path (direct.py) answers with
+    for path in InferEndpoint.ROUTES:
         app.router.routes.insert(0, LabelledRoute(path, infer, methods=["POST"]))  # first: the router tries in order
     app.open_infer_lane(app.router.routes[:2], GuardAndLog(infer, settings, metrics, log))
 

@@ -88,11 +88,22 @@ def event_loop_and_parser() -> tuple[str, str]:
     return ("uvloop" if have["uvloop"] else "asyncio"), ("httptools" if have["httptools"] else "h11")
 
 
+def http_protocol(parser: str, direct_infer: bool = True) -> str | type:
+    """uvicorn's ``http``: :class:`~converge.serve.direct.DirectInferProtocol` on httptools if ``direct_infer``,
+    else the parser's name."""
+    if parser == "httptools" and direct_infer:
+        from .direct import DirectInferProtocol
+
+        return DirectInferProtocol
+    return parser
+
+
 def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 64,
           max_queue_delay_us: int = 0, max_queue_size: int = 1024, token: str | None = None,
           insecure: bool = False, device: str = "cpu", timeout_s: float = 30.0,
           max_body_bytes: int = 64 * 2**20, log_level: str = "info", access_log: bool = True,
-          model_process: bool = True, instances: int = 1, trust: TrustConfig | None = None) -> None:
+          model_process: bool = True, instances: int = 1, trust: TrustConfig | None = None,
+          direct_infer: bool = True) -> None:
     """Serve ``runs`` over the Open Inference Protocol until interrupted (Ctrl-C drains the queues).
 
     ``access_log``: one JSON line per request on stderr (logger ``converge.serve.access``, rendered and
@@ -103,6 +114,9 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
     ``instances``: model processes per model (:class:`~converge.serve.worker.ModelInstances`).
 
     ``trust``: the uncertainty gate and simulator fallback (:mod:`converge.serve.fallback`).
+
+    ``direct_infer``: POST .../infer answered from the HTTP protocol (:mod:`converge.serve.direct`; with
+    httptools); False: through the ASGI app like every other route.
     """
     import uvicorn
 
@@ -119,5 +133,6 @@ def serve(runs: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
         log.info("serving %s (version %s, %s, %s) at http://%s:%d/v2/models/%s", model.name, model.version,
                  model.platform, model.precision, host, port, model.name)
     loop, http = event_loop_and_parser()
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, loop=loop, http=http,
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, loop=loop,
+                http=http_protocol(http, direct_infer),
                 timeout_graceful_shutdown=int(timeout_s) + 5)
