@@ -253,3 +253,27 @@ def test_metrics_callback_errors_do_not_stop_the_worker():
 def test_batch_config_is_validated(kw, message):
     with pytest.raises(ValueError, match=message):
         BatchConfig(**kw)
+
+
+def test_deadlines_expire_in_order_with_one_timer_and_spare_the_answered():
+    from converge.serve.batcher import Deadlines
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        deadlines, expired = Deadlines(loop), []
+        waiters = [loop.create_future() for _ in range(4)]
+        start = loop.time()
+        for i, w in enumerate(waiters[:3]):
+            deadlines.add(start + 0.05 * (i + 1), w, lambda i=i: expired.append((i, loop.time() - start)))
+        first_timer = deadlines.timer
+        waiters[1].set_result("answered")  # answered before its deadline: never expired
+        deadlines.add(start + 0.01, waiters[3], lambda: expired.append((3, loop.time() - start)))  # out of order
+        assert deadlines.timer is first_timer and len(deadlines.entries) == 3  # one timer for the ordered ones
+        await asyncio.sleep(0.25)
+        return expired, deadlines
+
+    expired, deadlines = asyncio.run(scenario())
+    assert [i for i, _ in expired] == [3, 0, 2]
+    for (i, t), due in zip(expired, (0.01, 0.05, 0.15)):
+        assert due <= t < due + 0.05, (i, t)
+    assert not deadlines.entries and deadlines.timer is None

@@ -207,3 +207,34 @@ def test_a_client_that_leaves_is_counted_and_the_server_answers_the_next(live_se
             assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [1.0] * 4
             text = c.get("/metrics").text
     assert 'converge_http_requests_total{method="POST",route="/v2/models/{name}/infer",status="499"} 1.0' in text
+
+
+class Picky(torch.nn.Module):
+    """x -> x; negative inputs fail the batch, and an input of 99 holds it past the server's timeout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x < 0).any():
+            raise ValueError("negative values are not physical")
+        if (x == 99).any():
+            time.sleep(0.6)
+        return x.clone()
+
+
+def test_model_failures_and_timeouts_on_the_direct_path(live_server):
+    from converge.serve import BatchConfig
+
+    spec = [TensorSpec("x", "FP32", (-1, 4))]
+    model = ServedModel.from_module("picky", Picky(), spec, [TensorSpec("y", "FP32", (-1, 4))])
+    app = create_app({"picky": model}, ServerSettings(BatchConfig(timeout_s=0.3), access_log=False))
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        failed = c.post("/v2/models/picky/infer", content=doc(-np.ones((1, 4), np.float32)))
+        assert failed.status_code == 500
+        assert "failed on a batch of 1 samples: ValueError: negative values are not physical" in failed.json()["error"]
+        slow = c.post("/v2/models/picky/infer", content=doc(np.full((1, 4), 99, np.float32)))
+        assert slow.status_code == 504 and slow.json()["error"] == "model 'picky': no result within 0.3 s"
+        time.sleep(0.5)  # the held batch ends
+        ok = c.post("/v2/models/picky/infer", content=doc(np.ones((2, 4), np.float32)))
+        assert ok.status_code == 200 and ok.json()["outputs"][0]["shape"] == [2, 4]
+        text = c.get("/metrics").text
+    for reason in ("model_error", "timeout"):
+        assert f'converge_inference_failures_total{{model="picky",reason="{reason}"}} 1.0' in text

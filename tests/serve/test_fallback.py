@@ -1,6 +1,7 @@
 """Trust-gated serving: an ensemble run served with its spreads, untrusted samples answered by DFT or refused."""
 import json
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -220,3 +221,17 @@ def test_untrusted_reasons_flag_nan_and_join_ood():
     assert reasons[0] == [] and reasons[1] == ["spread 2 exceeds the limit 1"]
     assert reasons[2] == ["spread nan exceeds the limit 1", "out of distribution: x"]
     assert untrusted_reasons(np.array([5.0]), None, "spread", None, 1) == [[]]
+
+
+def test_a_gated_model_is_answered_alike_on_the_direct_http_path(ensemble, tmp_path, live_server):
+    run, arrays = ensemble
+    species, coords = batch(arrays, [3, 4])
+    trust = TrustConfig(max_uncertainty=0.0, fallback="simulator")
+    with serve(run, max_uncertainty=0.0, fallback="simulator") as c:
+        expected = answer(c, species, coords)
+    app = create_app({"water": load_served_model(run, name="water")}, ServerSettings(trust=trust))
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        out = answer(c, species, coords)
+    np.testing.assert_array_equal(out["source"], [1, 1])  # both went to DFT, through the gate's task
+    for name in ("energy", "forces", "source"):
+        np.testing.assert_array_equal(out[name], expected[name])

@@ -12,7 +12,7 @@ queue or of the simulator fallback). ``settings.trust`` gates answers per sample
 The infer endpoint is the hot path and is written as plain ASGI
 (:class:`InferEndpoint`), reached through a lane that skips FastAPI's
 middleware and router (:class:`ServingApp`); it awaits the batcher on the
-event loop (``Batcher.infer_async``), never a thread per request.
+event loop (``RequestQueue.submit_waiter``), never a thread per request.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, NamedTuple, Sequence
 
 import anyio
+import numpy as np
 import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -35,10 +36,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from .access_log import AccessLog
-from .batcher import BatchConfig, Batcher, BatchFailed, QueueFull, RequestQueue, RequestTimeout, ShuttingDown
+from .batcher import (Awaited, BatchConfig, Batcher, BatchFailed, QueueFull, RequestQueue, RequestTimeout,
+                      ShuttingDown)
 from .fallback import SOURCE, FallbackFailed, FallbackTimeout, TrustConfig, TrustGate, Untrusted
 from .metrics import ServerMetrics
-from .protocol import HEADER_LENGTH, ValidationError, encode_infer_response, parse_infer_request
+from .protocol import HEADER_LENGTH, InferRequest, ValidationError, encode_infer_response, parse_infer_request
 from .registry import ServedModel
 from .worker import ModelInstances, ProcessBatcher
 
@@ -241,19 +243,43 @@ class InferEndpoint:
 
     async def answer(self, model: ServedModel, body: bytes, header_length: str | None) -> Reply:
         """The reply to an infer request for ``model`` with ``body`` (and its binary header length, if any)."""
+        submitted = self.submit(model, body, header_length)
+        if isinstance(submitted, Reply):
+            return submitted
+        parsed, awaited = submitted
+        try:
+            try:
+                results = await awaited.waiter
+            except asyncio.CancelledError:  # the caller went away (client disconnect)
+                awaited.future.cancel()
+                raise
+            gate = self.gates.get(model.name)
+            if gate is not None:
+                results = await gate.review(parsed.inputs, results)
+        except tuple(ERRORS) as err:
+            return self.refused(model, err)
+        return self.reply(model, parsed, results)
+
+    def submit(self, model: ServedModel, body: bytes, header_length: str | None) -> Reply | tuple[InferRequest, Awaited]:
+        """Parse, check and queue a request: its error reply at once, or the parsed request and its
+        :class:`~converge.serve.batcher.Awaited` outputs (before the trust gate, if the model has one)."""
         limits = self.settings.batch
         try:
             parsed = parse_infer_request(body, header_length, model.inputs, model.all_outputs)
             if parsed.batch_size > limits.max_batch_size:
                 raise ValidationError(f"{parsed.batch_size} samples exceed max_batch_size={limits.max_batch_size}; "
                                       "split the request")
-            results = await self.batchers[model.name].infer_async(parsed.inputs)
-            gate = self.gates.get(model.name)
-            if gate is not None:
-                results = await gate.review(parsed.inputs, results)
+            return parsed, self.batchers[model.name].submit_waiter(parsed.inputs)
         except tuple(ERRORS) as err:
-            self.metrics.request_done(model.name, next(r for cls, (_, r) in ERRORS.items() if isinstance(err, cls)))
-            return error_reply(err)
+            return self.refused(model, err)
+
+    def refused(self, model: ServedModel, err: Exception) -> Reply:
+        """The error reply to a request ``err`` ended (one of :data:`ERRORS`), counted."""
+        self.metrics.request_done(model.name, next(r for cls, (_, r) in ERRORS.items() if isinstance(err, cls)))
+        return error_reply(err)
+
+    def reply(self, model: ServedModel, parsed: InferRequest, results: Mapping[str, np.ndarray]) -> Reply:
+        """The answer to ``parsed`` with the model's ``results``, counted."""
         try:
             content, headers = encode_infer_response(model.name, model.version, parsed, results)
         except ValueError as err:  # e.g. NaN asked for as JSON

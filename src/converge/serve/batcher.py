@@ -238,13 +238,13 @@ class RequestQueue:
             future.cancel()
             raise RequestTimeout(f"model {self.name!r}: no result within {timeout:g} s") from None
 
-    async def infer_async(self, inputs: Mapping[str, np.ndarray], timeout: float | None = None
-                          ) -> dict[str, np.ndarray]:
-        """Submit and await the outputs on the running event loop, which is never blocked.
+    def submit_waiter(self, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> Awaited:
+        """Submit on the running event loop: the :class:`Awaited` request, whose ``waiter`` (a future of that
+        loop) gets the outputs, or :class:`RequestTimeout` after ``timeout`` (default the config's) with the
+        request cancelled if still queued, as :meth:`infer` does.
 
-        The worker wakes the loop once per batch, not once per request (see
-        :func:`hand_over`); a timer on the loop enforces ``timeout`` (default the
-        config's) and cancels the request if it is still queued, as :meth:`infer` does.
+        The worker wakes the loop once per batch, not once per request (see :func:`hand_over`), and one timer
+        per loop keeps every request's time limit (:class:`Deadlines`), not one timer each.
         """
         timeout = self.config.timeout_s if timeout is None else timeout
         loop = asyncio.get_running_loop()
@@ -252,19 +252,79 @@ class RequestQueue:
         future = self._enqueue(inputs, waiter).future
 
         def expire() -> None:
-            if not waiter.done():
-                future.cancel()  # dropped by the worker if still queued
-                waiter.set_exception(RequestTimeout(f"model {self.name!r}: no result within {timeout:g} s"))
+            future.cancel()  # dropped by the worker if still queued
+            waiter.set_exception(RequestTimeout(f"model {self.name!r}: no result within {timeout:g} s"))
 
-        timer = loop.call_later(timeout, expire)
+        deadlines = self._deadlines.get(loop)
+        if deadlines is None:
+            deadlines = self._deadlines[loop] = Deadlines(loop)
+        deadlines.add(loop.time() + timeout, waiter, expire)
+        return Awaited(waiter, future)
+
+    async def infer_async(self, inputs: Mapping[str, np.ndarray], timeout: float | None = None
+                          ) -> dict[str, np.ndarray]:
+        """Submit and await the outputs on the running event loop, which is never blocked (:meth:`submit_waiter`)."""
+        awaited = self.submit_waiter(inputs, timeout)
         try:
-            return await waiter
+            return await awaited.waiter
         except asyncio.CancelledError:  # the caller went away (client disconnect)
-            future.cancel()
+            awaited.future.cancel()
             raise
-        finally:
-            timer.cancel()
 
+    @cached_property
+    def _deadlines(self) -> dict[asyncio.AbstractEventLoop, Deadlines]:
+        """The time limits of the requests awaited on each event loop."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Awaited:
+    """A request submitted on an event loop: ``waiter`` (that loop's future of its outputs) and ``future`` (the
+    batcher's, which :meth:`cancel` cancels too, so a request nobody awaits leaves the queue)."""
+
+    waiter: asyncio.Future
+    future: Future
+
+    def cancel(self) -> None:
+        self.future.cancel()
+        self.waiter.cancel()
+
+
+class Deadlines:
+    """The time limits of the requests awaited on one event loop, kept by one timer rather than one per request.
+
+    Requests of one batcher share its timeout, so they come in order of their deadlines: the timer waits for the
+    oldest, expires every request past its deadline from the front, and waits for the next; answered requests
+    are dropped from the front as new ones come. A deadline earlier than the last one (a shorter timeout)
+    gets a timer of its own.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.entries: deque[tuple[float, asyncio.Future, Callable[[], None]]] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, deadline: float, waiter: asyncio.Future, expire: Callable[[], None]) -> None:
+        """Call ``expire()`` at ``deadline`` (the loop's clock) unless ``waiter`` is done by then."""
+        entries = self.entries
+        while entries and entries[0][1].done():
+            entries.popleft()
+        if entries and deadline < entries[-1][0]:
+            own = self.loop.call_at(deadline, lambda: None if waiter.done() else expire())
+            waiter.add_done_callback(lambda _: own.cancel())
+            return
+        entries.append((deadline, waiter, expire))
+        if self.timer is None:
+            self.timer = self.loop.call_at(deadline, self._expire_due)
+
+    def _expire_due(self) -> None:
+        self.timer, now, entries = None, self.loop.time(), self.entries
+        while entries and (entries[0][1].done() or entries[0][0] <= now):
+            _, waiter, expire = entries.popleft()
+            if not waiter.done():
+                expire()
+        if entries:
+            self.timer = self.loop.call_at(entries[0][0], self._expire_due)
 
 
 class Batcher(RequestQueue):

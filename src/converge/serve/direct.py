@@ -21,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Coroutine
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .app import (HEADER_LENGTH_KEY, InferEndpoint, Reply, ServeError, as_reply, authorized, error_reply,
+from .app import (ERRORS, HEADER_LENGTH_KEY, InferEndpoint, Reply, ServeError, as_reply, authorized, error_reply,
                   find_model, first_header, unauthorized_response)
+from .batcher import Awaited
+from .protocol import InferRequest
+from .registry import ServedModel
 
 if TYPE_CHECKING:
     from .access_log import AccessLog
@@ -52,6 +55,12 @@ def infer_target(url: bytes) -> tuple[str, str | None] | None:
     return None
 
 
+def internal_error(err: Exception) -> Reply:
+    """A bug's reply (500), logged with its traceback: not the request's fault."""
+    log.error("direct infer path failed", exc_info=err)
+    return error_reply(ServeError(500, f"internal server error: {type(err).__name__}: {err}"))
+
+
 def encode_reply(reply: Reply, default_headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
     """The whole HTTP/1.1 response: status line, uvicorn's default headers (date, server), the reply's, its
     content-length, ``connection: close`` unless kept alive, and the body."""
@@ -70,8 +79,9 @@ class InferExchange:
     (``body``, ``more_body``, ``response_complete``, ``disconnected``, ``keep_alive``, ``message_event``).
 
     It is started when its turn on the connection comes (:meth:`start`), collects the body as it arrives
-    (:meth:`receive`, :meth:`finish_body`), answers in a task once both have happened, and then lets the
-    protocol go on to the next request (``on_response_complete``).
+    (:meth:`receive`, :meth:`finish_body`), submits the request once both have happened, sends the reply from
+    the callback of its outputs' future (no task per request), and then lets the protocol go on to the next
+    request (``on_response_complete``).
     """
 
     def __init__(self, protocol: DirectInferProtocol, path: str, target: tuple[str, str | None],
@@ -82,7 +92,10 @@ class InferExchange:
         self.size, self.too_large = 0, False
         self.more_body, self.started, self.response_complete, self.disconnected = True, False, False, False
         self.message_event = self  # the protocol calls message_event.set() when the client leaves
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # a gated model's answer
+        self.awaited: Awaited | None = None  # the submitted request (model, parsed, awaited: once submitted)
+        self.model: ServedModel | None = None
+        self.parsed: InferRequest | None = None
         self.t0 = time.perf_counter()
 
     def receive(self, chunk: bytes) -> None:
@@ -108,27 +121,62 @@ class InferExchange:
 
     def set(self) -> None:
         """``message_event.set()``: after ``disconnected``, cancel the request where it waits."""
-        if self.disconnected and self.task is not None:
+        if not self.disconnected:
+            return
+        if self.task is not None:
             self.task.cancel()
+        elif self.awaited is not None:
+            self.awaited.cancel()
 
     def _answer(self) -> None:
+        """Check and submit the request; its reply is sent when its outputs come (:meth:`_outputs_ready`). A
+        model with a trust gate is answered in a task (the gate awaits the simulator fallback)."""
+        try:
+            checked = self.check()
+            if isinstance(checked, Reply):
+                return self._send(checked)
+            endpoint, body = self.protocol.endpoint, self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+            header_length = first_header(self.headers, HEADER_LENGTH_KEY)
+            if checked.name in endpoint.gates:
+                return self._answer_in_task(endpoint.answer(checked, body, header_length))
+            submitted = endpoint.submit(checked, body, header_length)
+            if isinstance(submitted, Reply):
+                return self._send(submitted)
+        except Exception as err:  # a bug, not the request's fault
+            return self._send(internal_error(err))
+        self.model, (self.parsed, self.awaited) = checked, submitted
+        self.awaited.waiter.add_done_callback(self._outputs_ready)
+
+    def _outputs_ready(self, waiter: asyncio.Future) -> None:
+        if waiter.cancelled():
+            return self._done(CLIENT_GONE)
+        endpoint, err = self.protocol.endpoint, waiter.exception()
+        try:
+            if err is None:
+                reply = endpoint.reply(self.model, self.parsed, waiter.result())
+            else:
+                reply = endpoint.refused(self.model, err) if isinstance(err, tuple(ERRORS)) else internal_error(err)
+        except Exception as bug:
+            reply = internal_error(bug)
+        self._send(reply)
+
+    def _answer_in_task(self, reply: Coroutine[Any, Any, Reply]) -> None:
         tasks = self.protocol.tasks
-        self.task = task = self.protocol.loop.create_task(self._reply_and_send())
+        self.task = task = self.protocol.loop.create_task(self._send_when_ready(reply))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    async def _reply_and_send(self) -> None:
+    async def _send_when_ready(self, reply: Coroutine[Any, Any, Reply]) -> None:
         try:
-            reply = await self.reply()
+            ready = await reply
         except asyncio.CancelledError:
             return self._done(CLIENT_GONE)
-        except Exception as err:  # a bug, not a request's fault: answered as uvicorn answers an ASGI app's
-            log.exception("direct infer path failed")
-            reply = error_reply(ServeError(500, f"internal server error: {type(err).__name__}: {err}"))
-        self._send(reply)
+        except Exception as err:
+            ready = internal_error(err)
+        self._send(ready)
 
-    async def reply(self) -> Reply:
-        """The request's :class:`Reply`: the token check, the model, the body limit, then the endpoint."""
+    def check(self) -> Reply | ServedModel:
+        """The token, the model and the body limit: the model to answer with, or the refusal."""
         endpoint: InferEndpoint = self.protocol.endpoint
         settings = endpoint.settings
         if settings.token and not authorized(first_header(self.headers, b"authorization"), settings.token):
@@ -141,8 +189,7 @@ class InferExchange:
                                       "send fewer samples per request")
         except ServeError as err:
             return error_reply(err)
-        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        return await endpoint.answer(model, body, first_header(self.headers, HEADER_LENGTH_KEY))
+        return model
 
     def _send(self, reply: Reply) -> None:
         protocol = self.protocol
