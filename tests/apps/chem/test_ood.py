@@ -83,3 +83,24 @@ def test_unusable_inputs_give_reasons_or_errors(envelope):
         check_in_distribution(envelope, METHANOL.atomic_numbers, METHANOL.positions[:3])
     with pytest.raises(FileNotFoundError, match="fit_envelope"):
         load_envelope("/nonexistent")
+
+
+def test_the_batch_test_agrees_with_the_one_by_one_check(training, envelope):
+    from converge.apps.chem.ood import inside_envelope
+
+    species, coordinates = training
+    rng = np.random.default_rng(3)
+    z = np.c_[species, np.zeros((50, 2), np.int64)]  # padded to 8 atoms
+    xyz = np.concatenate([coordinates, np.zeros((50, 2, 3))], axis=1)
+    z[1, 2] = 7  # an element never trained on
+    xyz[2, 0, 0] = np.nan
+    z[3] = -1  # all padding
+    xyz[4, 5] += 1.5 * (xyz[4, 5] - xyz[4, 1])  # a broken O-H bond
+    xyz[5, 2] = xyz[5, 0] + 0.8 * (xyz[5, 2] - xyz[5, 0]) / np.linalg.norm(xyz[5, 2] - xyz[5, 0])  # C-H at 0.8 Å
+    xyz[6, :6] *= 1.03  # a stretched molecule, maybe outside
+    xyz[7:, :6] += rng.normal(scale=0.06, size=(43, 6, 3))  # hotter conformers: some in, some out
+    one_by_one = [check_in_distribution(envelope, s, c) for s, c in zip(z, xyz)]
+    inside = inside_envelope(envelope, z, xyz)
+    assert inside.tolist() == [r == [] for r in one_by_one]
+    assert not inside[1:6].any() and inside[0] and 0 < inside[7:].sum() < 43  # both kinds are in the batch
+    assert check_batch(envelope, z, xyz) == one_by_one

@@ -184,10 +184,50 @@ def _atom_reasons(envelope: TrainingEnvelope, z: np.ndarray, d: np.ndarray, chec
     return reasons
 
 
-def check_batch(envelope: TrainingEnvelope, species: np.ndarray, coordinates: np.ndarray) -> list[list[str]]:
-    """:func:`check_in_distribution` for each of (B, A) species and (B, A, 3) coordinates."""
+def inside_envelope(envelope: TrainingEnvelope, species: np.ndarray, coordinates: np.ndarray) -> np.ndarray:
+    """(B,) bool: which of (B, A) species and (B, A, 3) coordinates Å lie inside the envelope, all at once.
+
+    The same tests as :func:`check_in_distribution` without the messages: every atom of a trained element,
+    finite coordinates, no pair closer than its training minimum less the margin (nor an untrained pair within
+    the cutoff), no nearest neighbour beyond the training maximum plus the margin, neighbour counts within the
+    training range. One pass of array operations over the batch: the server runs it on every request.
+    """
     species, coordinates = _check_shapes(species, coordinates)
-    return [check_in_distribution(envelope, s, c) for s, c in zip(species, coordinates)]
+    real = species > 0
+    elements = np.asarray(envelope.elements, dtype=np.int64)
+    z = np.where(real, species, 0)
+    index = np.full(max(int(z.max(initial=0)), int(elements.max(initial=0))) + 1, len(elements))  # Z -> row
+    index[elements] = np.arange(len(elements))
+    k = index[z]  # (B, A): the element's row, len(elements) for padding and untrained elements
+    ok = real.any(axis=1) & ~((k == len(elements)) & real).any(axis=1)
+    ok &= np.where(real[..., None], np.isfinite(coordinates), True).all(axis=(1, 2))
+    d, _ = _distances(species, np.where(real[..., None], np.nan_to_num(coordinates), 0.0))  # (B, A, A)
+    n = len(elements) + 1  # thresholds per element pair; the last row and column (padding) never fail
+    closest = np.full((n, n), -np.inf)
+    for i, za in enumerate(elements):
+        for j, zb in enumerate(elements):
+            shortest = envelope.pair_min_distance.get(pair_key(za, zb))
+            closest[i, j] = envelope.cutoff if shortest is None else shortest - envelope.margin
+    ok &= ~(d < closest[k[:, :, None], k[:, None, :]]).any(axis=(1, 2))
+    farthest = np.full(n, np.inf)
+    low, high = np.zeros(n), np.full(n, np.inf)
+    for i, element in enumerate(elements):
+        limit = envelope.nearest_max.get(str(element))
+        farthest[i] = np.inf if limit is None else limit + envelope.margin
+        low[i], high[i] = envelope.neighbour_count[str(element)]
+    nearest, counts = d.min(axis=-1), (d < envelope.cutoff).sum(axis=-1)  # (B, A)
+    stretched = np.isfinite(nearest) & (nearest > farthest[k])
+    crowded = real & ((counts < low[k]) | (counts > high[k]))
+    return ok & ~(stretched | crowded).any(axis=1)
+
+
+def check_batch(envelope: TrainingEnvelope, species: np.ndarray, coordinates: np.ndarray) -> list[list[str]]:
+    """:func:`check_in_distribution` for each of (B, A) species and (B, A, 3) coordinates: the batch is tested
+    at once (:func:`inside_envelope`) and only the structures outside are checked one by one for their reasons."""
+    species, coordinates = _check_shapes(species, coordinates)
+    inside = inside_envelope(envelope, species, coordinates)
+    return [[] if fine else check_in_distribution(envelope, s, c)
+            for fine, s, c in zip(inside, species, coordinates)]
 
 
 def save_envelope(run_dir: str | Path, envelope: TrainingEnvelope) -> Path:
