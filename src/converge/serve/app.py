@@ -9,9 +9,10 @@ failed, 503 queue full (with Retry-After) or shutting down, 504 timeout (of the
 queue or of the simulator fallback). ``settings.trust`` gates answers per sample
 (:mod:`converge.serve.fallback`).
 
-The infer endpoint is the hot path and is written as plain ASGI
-(:class:`InferEndpoint`), reached through a lane that skips FastAPI's
-middleware and router (:class:`ServingApp`); it awaits the batcher on the
+The infer endpoint is the hot path (:class:`InferEndpoint`). ``converge serve``
+answers it straight from the HTTP protocol (:mod:`converge.serve.direct`); as
+plain ASGI it is reached through a lane that skips FastAPI's middleware and
+router (:class:`ServingApp`). Either way it waits for the batcher on the
 event loop (``RequestQueue.submit_waiter``), never a thread per request.
 """
 from __future__ import annotations
