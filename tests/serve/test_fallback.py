@@ -15,7 +15,9 @@ from converge.apps.chem.dft import dft_energy_forces
 from converge.apps.gw.config import GWConfig
 from converge.data.store import ShardStore
 from converge.serve import ServedModel, ServerSettings, create_app, load_served_model
+from converge.serve.batcher import BatchConfig
 from converge.serve.fallback import TrustConfig, TrustSetupError, untrusted_reasons
+from converge.serve.registry import OUTSIDE
 from converge.serve.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 from converge.simulate.runner import SimulateConfig, run_ensemble
 from converge.train.loop import TrainConfig
@@ -235,3 +237,32 @@ def test_a_gated_model_is_answered_alike_on_the_direct_http_path(ensemble, tmp_p
     np.testing.assert_array_equal(out["source"], [1, 1])  # both went to DFT, through the gate's task
     for name in ("energy", "forces", "source"):
         np.testing.assert_array_equal(out[name], expected[name])
+
+
+def test_the_model_runs_the_envelope_check_on_each_whole_batch(ensemble):
+    run, arrays = ensemble
+    model = load_served_model(run, name="water")
+    species, coords = squeezed(arrays)
+    inside_s, inside_c = batch(arrays, [1, 2])
+    inputs = {"species": np.concatenate([inside_s, species]), "coordinates": np.concatenate([inside_c, coords])}
+    served = model.serve(inputs)
+    assert OUTSIDE not in model.predict(inputs)  # what the peers of the serve bench run stays the model alone
+    assert served[OUTSIDE].shape == (3,) and served[OUTSIDE].dtype == object
+    assert served[OUTSIDE].tolist() == model.distribution_check(inputs)
+    assert served[OUTSIDE][0] == [] and served[OUTSIDE][1] == [] and "O-H" in " ".join(served[OUTSIDE][2])
+
+
+def test_the_gate_reads_the_check_the_model_process_ran(ensemble, live_server):
+    run, arrays = ensemble
+
+    def never(inputs):
+        raise AssertionError("the server ran the envelope check itself")
+
+    settings = ServerSettings(BatchConfig(max_batch_size=8, model_process=True))
+    app = create_app({"water": load_served_model(run, name="water")}, settings)
+    app.state.gates["water"].outside = never
+    with live_server(app, direct_infer=True) as url, httpx.Client(base_url=url, timeout=60) as c:
+        fine = answer(c, *batch(arrays, [1, 2]))
+        refused = request(c, *squeezed(arrays))
+    np.testing.assert_array_equal(fine["source"], [0, 0])
+    assert refused.status_code == 422 and "O-H" in refused.json()["error"], refused.text

@@ -23,7 +23,7 @@ import hmac
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Mapping, NamedTuple, Sequence
+from typing import Any, Coroutine, Mapping, NamedTuple, Sequence
 
 import anyio
 import numpy as np
@@ -39,7 +39,7 @@ from .. import __version__
 from .access_log import AccessLog
 from .batcher import (Awaited, BatchConfig, Batcher, BatchFailed, QueueFull, RequestQueue, RequestTimeout,
                       ShuttingDown)
-from .fallback import SOURCE, FallbackFailed, FallbackTimeout, TrustConfig, TrustGate, Untrusted
+from .fallback import SOURCE, Fallback, FallbackFailed, FallbackTimeout, TrustConfig, TrustGate, Untrusted
 from .metrics import ServerMetrics
 from .protocol import HEADER_LENGTH, InferRequest, ValidationError, encode_infer_response, parse_infer_request
 from .registry import ServedModel
@@ -254,9 +254,29 @@ class InferEndpoint:
             except asyncio.CancelledError:  # the caller went away (client disconnect)
                 awaited.future.cancel()
                 raise
-            gate = self.gates.get(model.name)
-            if gate is not None:
-                results = await gate.review(parsed.inputs, results)
+        except tuple(ERRORS) as err:
+            return self.refused(model, err)
+        settled = self.settle(model, parsed, results)
+        return settled if isinstance(settled, Reply) else await settled
+
+    def settle(self, model: ServedModel, parsed: InferRequest,
+               results: Mapping[str, np.ndarray]) -> Reply | Coroutine[Any, Any, Reply]:
+        """The reply to ``parsed`` once the model has given ``results``: at once after the model's trust gate
+        (if any), or, when the gate sends samples to the simulator, a coroutine to await for it."""
+        gate = self.gates.get(model.name)
+        if gate is not None:
+            try:
+                verdict = gate.review_now(parsed.inputs, results)
+            except Untrusted as err:
+                return self.refused(model, err)
+            if isinstance(verdict, Fallback):
+                return self.fall_back(model, parsed, gate, verdict)
+            results = verdict
+        return self.reply(model, parsed, results)
+
+    async def fall_back(self, model: ServedModel, parsed: InferRequest, gate: TrustGate, pending: Fallback) -> Reply:
+        try:
+            results = await gate.fall_back(pending)
         except tuple(ERRORS) as err:
             return self.refused(model, err)
         return self.reply(model, parsed, results)
@@ -323,7 +343,7 @@ def model_batcher(model: ServedModel, config: BatchConfig, metrics: ServerMetric
         kind = ModelInstances if config.instances > 1 else ProcessBatcher
         return kind(model.loader, config, model.name, on_batch=metrics.batch_observer(model.name), start=False,
                     threads=torch.get_num_threads())
-    return Batcher(model.predict, config, model.name, on_batch=metrics.batch_observer(model.name), start=False)
+    return Batcher(model.serve, config, model.name, on_batch=metrics.batch_observer(model.name), start=False)
 
 
 def create_app(models: Mapping[str, ServedModel], settings: ServerSettings = ServerSettings()) -> ServingApp:

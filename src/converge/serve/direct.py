@@ -92,7 +92,7 @@ class InferExchange:
         self.size, self.too_large = 0, False
         self.more_body, self.started, self.response_complete, self.disconnected = True, False, False, False
         self.message_event = self  # the protocol calls message_event.set() when the client leaves
-        self.task: asyncio.Task | None = None  # a gated model's answer
+        self.task: asyncio.Task | None = None  # the answer, while the simulator fallback runs
         self.awaited: Awaited | None = None  # the submitted request (model, parsed, awaited: once submitted)
         self.model: ServedModel | None = None
         self.parsed: InferRequest | None = None
@@ -129,16 +129,14 @@ class InferExchange:
             self.awaited.cancel()
 
     def _answer(self) -> None:
-        """Check and submit the request; its reply is sent when its outputs come (:meth:`_outputs_ready`). A
-        model with a trust gate is answered in a task (the gate awaits the simulator fallback)."""
+        """Check and submit the request; its reply is sent when its outputs come (:meth:`_outputs_ready`), after
+        the model's trust gate. Only a request the gate sends to the simulator is finished in a task."""
         try:
             checked = self.check()
             if isinstance(checked, Reply):
                 return self._send(checked)
             endpoint, body = self.protocol.endpoint, self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
             header_length = first_header(self.headers, HEADER_LENGTH_KEY)
-            if checked.name in endpoint.gates:
-                return self._answer_in_task(endpoint.answer(checked, body, header_length))
             submitted = endpoint.submit(checked, body, header_length)
             if isinstance(submitted, Reply):
                 return self._send(submitted)
@@ -153,7 +151,9 @@ class InferExchange:
         endpoint, err = self.protocol.endpoint, waiter.exception()
         try:
             if err is None:
-                reply = endpoint.reply(self.model, self.parsed, waiter.result())
+                reply = endpoint.settle(self.model, self.parsed, waiter.result())
+                if not isinstance(reply, Reply):  # the trust gate awaits the simulator
+                    return self._answer_in_task(reply)
             else:
                 reply = endpoint.refused(self.model, err) if isinstance(err, tuple(ERRORS)) else internal_error(err)
         except Exception as bug:

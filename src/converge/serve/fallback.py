@@ -47,7 +47,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from ..contract import App, TensorSpec, load_app
 from ..config import to_dict
 from ..data.atomic import atomic_write_bytes
 from .metrics import ServerMetrics
-from .registry import ServedModel, std_name
+from .registry import OUTSIDE, ServedModel, std_name
 
 SOURCE = TensorSpec("source", "INT8", (-1,))  # per sample: 0 surrogate, 1 simulator
 FALLBACKS = ("simulator",)
@@ -100,6 +100,16 @@ class TrustConfig:
             raise ValueError("queue_dir keeps simulator answers: give it together with fallback='simulator'")
 
 
+class Fallback(NamedTuple):
+    """A request the simulator must finish: its inputs, the model's results, per sample the reasons not to
+    trust them, and the indices of the samples with reasons."""
+
+    inputs: Mapping[str, np.ndarray]
+    results: dict[str, np.ndarray]
+    reasons: list[list[str]]
+    flagged: list[int]
+
+
 def measured_outputs(model: ServedModel) -> list[str]:
     """The outputs of ``model`` that come with a spread ``<name>_std`` (none unless it is an ensemble)."""
     names = {s.name for s in model.outputs}
@@ -113,7 +123,7 @@ def untrusted_reasons(scores: np.ndarray | None, limit: float | None, label: str
     if limit is not None and scores is not None:
         for i in np.flatnonzero(~(scores <= limit)):  # NaN counts as too uncertain
             reasons[i].append(f"{label} {scores[i]:.4g} exceeds the limit {limit:g}")
-    for i, found in enumerate(outside or ()):
+    for i, found in enumerate(() if outside is None else outside):
         reasons[i].extend(f"{OOD}: {r}" for r in found)
     return reasons
 
@@ -161,8 +171,8 @@ class TrustGate:
         """The gate ``model`` needs under ``config``, None if none; a setting that cannot work is refused here."""
         config = config or TrustConfig()
         app = load_app(model.app) if model.app is not None else None
-        outside = (app.distribution_check(model.app_config, model.run_dir)
-                   if app is not None and model.run_dir is not None else None)
+        outside = model.distribution_check or (app.distribution_check(model.app_config, model.run_dir)
+                                               if app is not None and model.run_dir is not None else None)
         gating = config.max_uncertainty is not None or config.fallback is not None
         if not gating and outside is None:
             return None
@@ -187,23 +197,28 @@ class TrustGate:
         return cls(model, app, config, outside, metrics)
 
     def judge(self, inputs: Mapping[str, np.ndarray], results: Mapping[str, np.ndarray]) -> list[list[str]]:
-        """Per sample, the reasons not to trust the surrogate ([] = trusted)."""
+        """Per sample, the reasons not to trust the surrogate ([] = trusted). The distribution check's reasons
+        are read from ``results`` when the model ran it (``ServedModel.serve``'s :data:`OUTSIDE`)."""
         n = len(next(iter(inputs.values())))
         scores = None
         if self.config.max_uncertainty is not None:
             names = self.measured
             scores = np.asarray(self.app.uncertainty(self.model.app_config, inputs, {k: results[k] for k in names},
                                                      {k: results[std_name(k)] for k in names}), dtype=np.float64)
-        outside = self.outside(inputs) if self.outside is not None else None
+        outside = results.get(OUTSIDE)
+        if outside is None and self.outside is not None:
+            outside = self.outside(inputs)
         return untrusted_reasons(scores, self.config.max_uncertainty, self.app.uncertainty_label, outside, n)
 
-    async def review(self, inputs: Mapping[str, np.ndarray], results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``results`` with ``source`` added and untrusted samples answered by the simulator (or refused)."""
+    def review_now(self, inputs: Mapping[str, np.ndarray],
+                   results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | Fallback:
+        """At once, without waiting: ``results`` with ``source`` added when every sample is trusted, or the
+        :class:`Fallback` the simulator must answer (:meth:`fall_back`); :class:`Untrusted` without a fallback."""
         reasons = self.judge(inputs, results)
+        results = {k: v for k, v in results.items() if k != OUTSIDE}
         flagged = [i for i, r in enumerate(reasons) if r]
-        source = np.zeros(len(reasons), dtype=np.int8)
         if not flagged:
-            return {**results, SOURCE.name: source}
+            return {**results, SOURCE.name: np.zeros(len(reasons), dtype=np.int8)}
         name = self.model.name
         # a sample outside the training distribution counts as that, whatever its spread
         kinds = ["out_of_distribution" if any(r.startswith(OOD) for r in reasons[i]) else "uncertainty"
@@ -215,6 +230,18 @@ class TrustGate:
                             f"fallback is configured (serve with --fallback simulator): {describe(reasons, flagged)}")
         for kind in set(kinds):
             self.metrics.fallback(name, kind, kinds.count(kind))
+        return Fallback(inputs, results, reasons, flagged)
+
+    async def review(self, inputs: Mapping[str, np.ndarray],
+                     results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``results`` with ``source`` added and untrusted samples answered by the simulator (or refused)."""
+        verdict = self.review_now(inputs, results)
+        return await self.fall_back(verdict) if isinstance(verdict, Fallback) else verdict
+
+    async def fall_back(self, pending: Fallback) -> dict[str, np.ndarray]:
+        """The request's answer with its flagged samples simulated (:class:`FallbackTimeout`,
+        :class:`FallbackFailed`)."""
+        name, inputs, results, reasons, flagged = self.model.name, *pending
         subset = {k: np.array(v[flagged]) for k, v in inputs.items()}
         job = self.executor.submit(self.simulate_and_queue, subset, ["; ".join(reasons[i]) for i in flagged])
         try:
@@ -232,6 +259,7 @@ class TrustGate:
         for key, value in simulated.items():
             if key in answer:
                 answer[key][flagged] = value
+        source = np.zeros(len(reasons), dtype=np.int8)
         source[flagged] = 1
         return {**answer, SOURCE.name: source}
 

@@ -34,6 +34,11 @@ from .protocol import DATATYPES
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # serve_predict(model, inputs by name) -> outputs by name, as App.serve_predict
 PredictFn = Callable[[nn.Module, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+# distribution_check(inputs by name) -> per sample, the reasons it lies outside the training data, as
+# App.distribution_check gives
+DistributionCheck = Callable[[Mapping[str, np.ndarray]], list[list[str]]]
+# ServedModel.serve's extra output: (B,) object array, per sample the list of those reasons ([] = inside)
+OUTSIDE = "__outside__"
 
 
 class ModelLoadError(RuntimeError):
@@ -63,6 +68,8 @@ class ServedModel:
     run_dir: Path | None = None  # the run it was loaded from
     # outputs the server adds after the model (the trust gate's "source" flag): listed and requested like outputs
     server_outputs: tuple[TensorSpec, ...] = ()
+    # the run's check of inputs against its training data (App.distribution_check), run by :meth:`serve`
+    distribution_check: DistributionCheck | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -120,6 +127,20 @@ class ServedModel:
                                    f"{list(spec.shape)}")
             result[spec.name] = arr
         return result
+
+    def serve(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What the server's batchers run on a batch: :meth:`predict`, and with a distribution check its
+        reasons per sample under :data:`OUTSIDE`.
+
+        The check runs beside the model (in the model's process) on the whole batch, once, rather than on the
+        event loop once per request: the chem envelope test took 110 us for one structure and 680 us for 64.
+        """
+        outputs = self.predict(inputs)
+        if self.distribution_check is not None:
+            found = self.distribution_check(inputs)
+            outputs[OUTSIDE] = reasons = np.empty(len(found), dtype=object)
+            reasons[:] = [list(r) for r in found]  # element by element: equal-length lists would make a 2-D array
+        return outputs
 
     def metadata(self) -> dict:
         """KServe v2 model metadata."""
@@ -181,7 +202,8 @@ def load_served_model(run_dir: Path | str, name: str | None = None, version: str
     return ServedModel(check_model_name(name or run_dir.resolve().name), model, list(inputs), list(outputs),
                        app.serve_predict, version=version, precision=precision, platform=f"converge-{app.name}",
                        app=app.name, loader=partial(load_served_model, str(run_dir), name, version, which, device),
-                       app_config=app_cfg, run_dir=run_dir)
+                       app_config=app_cfg, run_dir=run_dir,
+                       distribution_check=app.distribution_check(app_cfg, run_dir))
 
 
 def std_name(output: str) -> str:
@@ -212,4 +234,5 @@ def load_served_ensemble(run_dir: Path, name: str | None = None, version: str = 
                        partial(predict_ensemble, app), version=version, precision=precision,
                        platform=f"converge-{app.name}-ensemble", app=app.name,
                        loader=partial(load_served_model, str(run_dir), name, version, which, device),
-                       app_config=app_cfg, run_dir=run_dir)
+                       app_config=app_cfg, run_dir=run_dir,
+                       distribution_check=app.distribution_check(app_cfg, run_dir))

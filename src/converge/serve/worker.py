@@ -244,7 +244,7 @@ def serve_batches(requests: Connection, results: Connection, loader: Callable, c
             results.send(("expired", expired))
             batch = [q for q in batch if now - q.arrived <= config.timeout_s]
         if batch:
-            run_and_report(model.predict, batch, results)
+            run_and_report(model.serve, batch, results)
 
 
 def run_and_report(predict: Callable, batch: list[Queued], results) -> None:
