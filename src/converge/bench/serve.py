@@ -53,11 +53,12 @@ CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FORMATS = ("binary", "json")
 DISTINCT_REQUESTS = 16  # different samples cycled through by the clients
 LIKE_FOR_LIKE = ("every server calls the same ServedModel.predict of the run, at the run's precision, with "
-                 "OMP_NUM_THREADS torch threads per model worker (converge serve: one model process, max_batch_size "
-                 "as configured, no queue delay); the same load generator, warm-up, window, concurrencies and "
-                 "distinct requests; each peer in the best tensor format it speaks (Triton: KServe v2 binary "
-                 "extension, MLServer and LitServe: JSON) at its best point over its settings grid, beside our best "
-                 "in that format at a p99 no worse")
+                 "OMP_NUM_THREADS torch threads per model worker (converge serve over its batching modes, MODES); "
+                 "converge serve also does what only it offers: a run with a training envelope (chem's ood.json) is "
+                 "trust-gated, its envelope checked on every batch in the model process, which the peers skip; the "
+                 "same load generator, warm-up, window, concurrencies and distinct requests; each peer in the best "
+                 "tensor format it speaks (Triton: KServe v2 binary extension, MLServer and LitServe: JSON) at its "
+                 "best point over its settings grid, beside our best in that format at a p99 no worse")
 
 
 @dataclass(frozen=True)
