@@ -44,6 +44,19 @@ MODELS = textwrap.dedent("""
             return y, y.sum(1)
 
 
+    BIG = 1 << 16  # floats per sample of Wide's output: 4 samples are a 1 MiB answer, 16 pipes' worth
+
+
+    class Wide(torch.nn.Module):
+        def forward(self, x):
+            return x[:, :1].expand(-1, BIG).contiguous()
+
+
+    def make_wide():
+        return ServedModel.from_module("wide", Wide(), INPUTS, [TensorSpec("y", "FP32", (-1, BIG))],
+                                       loader=make_wide)
+
+
     def make(name="crashy", fail=False):
         if fail:
             raise RuntimeError("cannot load this one")
@@ -356,3 +369,68 @@ def test_answers_read_on_the_servers_loop_settle_its_requests_and_survive_a_cras
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
+
+
+def test_the_reader_gives_whole_messages_only_however_the_bytes_arrive():
+    """Connection.send's framing read back from a non-blocking pipe: a length whose bytes are not there yet, a
+    message split anywhere, several at once, then the writer's end."""
+    import multiprocessing as mp
+    import os
+    import threading
+
+    from converge.serve.worker import MessageReader
+
+    reader_end, writer_end = mp.Pipe(False)
+    reader = MessageReader(reader_end)
+    assert reader.read() and reader.messages() == []  # nothing yet, and the read did not block
+    big = {"y": np.arange(20_000, dtype=np.float32)}  # 80 KB: Connection.send writes its length, then its bytes
+
+    def framed(message) -> bytes:
+        """``message`` as Connection.send puts it on a pipe."""
+        probe_reader, probe_writer = mp.Pipe(False)
+        sender = threading.Thread(target=lambda: (probe_writer.send(message), probe_writer.close()))
+        sender.start()
+        chunks = list(iter(lambda: os.read(probe_reader.fileno(), 1 << 16), b""))
+        sender.join()
+        probe_reader.close()
+        return b"".join(chunks)
+
+    stream = b"".join(framed(m) for m in (("done", [1, 2], big), ("start", [3]), ("expired", [4])))
+    os.write(writer_end.fileno(), stream[:4])  # the length alone
+    assert reader.read() and reader.messages() == []
+    os.write(writer_end.fileno(), stream[4:50_000])  # part of the message
+    assert reader.read() and reader.messages() == []
+    os.write(writer_end.fileno(), stream[50_000:])  # its rest and two more
+    assert reader.read()
+    got = reader.messages()
+    assert [m[0] for m in got] == ["done", "start", "expired"] and got[1] == ("start", [3])
+    np.testing.assert_array_equal(got[0][2]["y"], big["y"])
+    assert reader.buffer == bytearray()
+    writer_end.close()
+    assert reader.read() is False  # the writer's end: end of file
+
+
+def test_answers_larger_than_the_pipe_are_read_whole_on_uvloop(models):
+    """uvloop leaves the pipe of answers non-blocking; a 1 MiB answer arrives in pieces. Read with
+    Connection.recv, the first piece raised BlockingIOError, taken for the child's death: it was killed."""
+    import asyncio
+
+    uvloop = pytest.importorskip("uvloop")
+    b = ProcessBatcher(models.make_wide, BatchConfig(max_batch_size=8), "wide", start=False)
+
+    async def run():
+        await asyncio.to_thread(b.start, asyncio.get_running_loop())
+        try:
+            return await asyncio.gather(*(b.infer_async({"x": batch(4, first=float(i))}) for i in range(3)))
+        finally:
+            await asyncio.to_thread(b.close)
+
+    loop = uvloop.new_event_loop()
+    try:
+        answers = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    for i, answer in enumerate(answers):
+        assert answer["y"].shape == (4, models.BIG)
+        np.testing.assert_array_equal(answer["y"][:, 0], batch(4, first=float(i))[:, 0])
+    assert b.restarts == 0

@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import math
 import multiprocessing as mp
+import os
 import struct
 import threading
 import time
@@ -265,6 +266,53 @@ def run_and_report(predict: Callable, batch: list[Queued], results) -> None:
                  else ("failed", ids, error, record))
 
 
+class MessageReader:
+    """Whole messages of a :class:`~multiprocessing.connection.Connection`'s reading end, read without blocking.
+
+    The event loop reads the child's answers when their pipe is readable. ``Connection.send`` writes a message
+    of more than 16 KiB as two writes (its length, then its bytes), and a child writes a message larger than the
+    pipe in pieces, while uvloop's ``add_reader`` leaves the pipe non-blocking: ``Connection.recv`` on the loop
+    then found a length whose bytes were not there yet and raised ``BlockingIOError``, which read as the child's
+    end, and the live child was killed with its batch (chem batches of ~100 structures at 128 clients). This
+    reads what is there (the pipe set non-blocking on any loop), keeps a partial message for later, and gives
+    only whole ones, decoded as ``Connection.recv`` does.
+    """
+
+    CHUNK = 1 << 20
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.fd, self.buffer = conn, conn.fileno(), bytearray()
+        os.set_blocking(self.fd, False)
+
+    def read(self) -> bool:
+        """Take in what the pipe holds; False once the writer's end is closed (end of file)."""
+        while True:
+            try:
+                chunk = os.read(self.fd, self.CHUNK)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            self.buffer += chunk
+
+    def messages(self) -> list:
+        """The whole messages taken in so far, in order (Connection's framing: a 4-byte big-endian length, or
+        -1 and an 8-byte one, then the pickle)."""
+        found, buffer, at = [], self.buffer, 0
+        while len(buffer) - at >= 4:
+            (size,), head = struct.unpack_from("!i", buffer, at), 4
+            if size == -1:
+                if len(buffer) - at < 12:
+                    break
+                (size,), head = struct.unpack_from("!Q", buffer, at + 4), 12
+            if len(buffer) - at - head < size:
+                break
+            found.append(ForkingPickler.loads(buffer[at + head:at + head + size]))
+            at += head + size
+        del buffer[:at]
+        return found
+
+
 class ProcessBatcher(RequestQueue):
     """A :class:`~converge.serve.batcher.RequestQueue` whose queue, batching and model live in a child process.
 
@@ -409,18 +457,19 @@ class ProcessBatcher(RequestQueue):
 
     def _watch_results(self) -> None:
         """On the loop: read the child's answers as they arrive."""
-        self._loop.add_reader(self._results.fileno(), self._results_ready, self._results)
+        self._loop.add_reader(self._results.fileno(), self._results_ready, MessageReader(self._results))
 
-    def _results_ready(self, results: Connection) -> None:
-        """On the loop: settle what the child has sent (whole messages: it writes each at once). Its end goes
-        to a thread, which may wait for the child and a new one to load."""
+    def _results_ready(self, reader: MessageReader) -> None:
+        """On the loop: settle each whole message the child has sent (:class:`MessageReader`). Its end goes to
+        a thread, which may wait for the child and a new one to load."""
         try:
-            while True:
-                self._answer(results.recv())
-                if not results.poll(0):
-                    return
-        except (EOFError, OSError):
-            self._loop.remove_reader(results.fileno())
+            open_ = reader.read()
+        except OSError:
+            open_ = False
+        for message in reader.messages():
+            self._answer(message)
+        if not open_:
+            self._loop.remove_reader(reader.fd)
             threading.Thread(target=self._recover, name=f"recover-{self.name}", daemon=True).start()
 
     def _recover(self) -> None:
