@@ -281,7 +281,7 @@ class MessageReader:
     CHUNK = 1 << 20
 
     def __init__(self, conn: Connection) -> None:
-        self.conn, self.fd, self.buffer = conn, conn.fileno(), bytearray()
+        self.conn, self.fd, self.buffer = conn, conn.fileno(), bytearray()  # conn held: it owns the fd
         os.set_blocking(self.fd, False)
 
     def read(self) -> bool:
