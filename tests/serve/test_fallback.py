@@ -235,8 +235,11 @@ def test_a_gated_model_is_answered_alike_on_the_direct_http_path(ensemble, tmp_p
     with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as c:
         out = answer(c, species, coords)
     np.testing.assert_array_equal(out["source"], [1, 1])  # both went to DFT, through the gate's task
-    for name in ("energy", "forces", "source"):
-        np.testing.assert_array_equal(out[name], expected[name])
+    np.testing.assert_array_equal(out["source"], expected["source"])
+    # two DFT runs of the same structures, one per server: equal to the SCF's last digits, not bit for bit
+    # (on an AVX2 machine the energies of the two were 2.8e-14 Ha apart, 4e-16 relative)
+    for name in ("energy", "forces"):
+        np.testing.assert_allclose(out[name], expected[name], rtol=1e-12, atol=1e-12)
 
 
 def test_the_model_runs_the_envelope_check_on_each_whole_batch(ensemble):

@@ -230,6 +230,28 @@ def test_instances_bound_the_queue_as_one_model_and_survive_a_crash(models):
         pool.submit({"x": batch(1)})
 
 
+def test_an_instance_whose_child_ended_is_passed_over_until_its_next_child_is_up(models):
+    import os
+    import signal
+
+    model = models.make()
+    config = BatchConfig(max_batch_size=4, model_process=True, instances=2)
+    with ModelInstances(model.loader, config, model.name) as pool:
+        first = pool.members[0]
+        assert all(m.taking for m in pool.members)
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while first.taking and first.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for i in range(5):  # meanwhile the other child answers everything
+            np.testing.assert_array_equal(pool.infer({"x": batch(1, first=i)})["y"],
+                                          model.predict({"x": batch(1, first=i)})["y"])
+        while not (first.restarts and first.taking) and time.monotonic() < deadline:  # its next child loads
+            time.sleep(0.05)
+        assert first.restarts == 1 and first.taking and first.alive
+        np.testing.assert_array_equal(pool.infer({"x": batch(2)})["y"], model.predict({"x": batch(2)})["y"])
+
+
 def test_instances_need_model_processes():
     with pytest.raises(ValueError, match="instances=2: several instances run in processes of their own"):
         BatchConfig(instances=2, model_process=False)

@@ -158,3 +158,52 @@ def test_json_the_fast_parser_refuses_still_gets_its_precise_error():
         parse_infer_request(doc.encode(), None, [TensorSpec("x", "FP32", (-1, 4))], [])
     with pytest.raises(ValidationError, match="not valid JSON"):
         parse_infer_request(b'{"inputs": [', None, [TensorSpec("x", "FP32", (-1, 4))], [])
+
+
+def test_request_parser_reads_a_header_it_knows_as_the_full_parse_does():
+    from converge.serve.protocol import RequestParser
+
+    parser, rng = RequestParser(SPECS, OUTS), np.random.default_rng(0)
+    for _ in range(5):  # one header, new values each time: parsed once, then read from the binary part
+        x, k = rng.normal(size=(3, 2)).astype(np.float32), rng.integers(-9, 9, size=3)
+        body, headers = encode_infer_request({"x": x, "k": k}, binary=True, outputs=["y"])
+        got, want = parser(body, headers[HEADER_LENGTH]), parse_infer_request(body, headers[HEADER_LENGTH], SPECS, OUTS)
+        for name in ("x", "k"):
+            assert got.inputs[name].dtype == want.inputs[name].dtype
+            np.testing.assert_array_equal(got.inputs[name], want.inputs[name])
+        assert (got.outputs, got.id, got.parameters) == (want.outputs, want.id, want.parameters)
+    assert len(parser.layouts) == 1
+    got.outputs["z"] = True  # a request's own copy: the next one is not changed
+    assert parser(body, headers[HEADER_LENGTH]).outputs == {"y": True}
+
+
+def test_request_parser_refuses_after_a_known_header_what_the_full_parse_refuses():
+    from converge.serve.protocol import RequestParser
+
+    parser = RequestParser(SPECS, OUTS)
+    body, length = binary_request()
+    parser(body, length)  # the header is known from here on
+    head, blob = body[:int(length)], body[int(length):]
+    cases = [(head + blob[:-3], length, "input 'k': binary data ends after 5 of its 8 bytes"),
+             (head + blob + b"xx", length, "2 bytes of binary data are not claimed"),
+             (*binary_request(inf=True), "input 'x': 1 values are NaN or infinite"),
+             (body, "abc", "is not an integer"),
+             (body, str(len(body) + 1), f"{HEADER_LENGTH}={len(body) + 1} but the body holds")]
+    for content, header, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            parser(content, header)
+    assert len(parser.layouts) == 1
+
+
+def test_request_parser_keeps_only_binary_headers_and_at_most_its_size():
+    from converge.serve.protocol import RequestParser
+
+    parser = RequestParser(SPECS, OUTS, size=3)
+    x, k = np.ones((1, 2), np.float32), np.array([1])
+    body, headers = encode_infer_request({"x": x, "k": k}, binary=False)
+    np.testing.assert_array_equal(parser(body, headers.get(HEADER_LENGTH)).inputs["x"], x)
+    assert not parser.layouts  # JSON data: the values are in the header
+    for i in range(7):  # a distinct id in every header: never seen twice
+        body, headers = encode_infer_request({"x": x, "k": k}, binary=True, request_id=str(i))
+        assert parser(body, headers[HEADER_LENGTH]).id == str(i)
+        assert len(parser.layouts) <= 3

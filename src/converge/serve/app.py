@@ -41,7 +41,7 @@ from .batcher import (Awaited, BatchConfig, Batcher, BatchFailed, QueueFull, Req
                       ShuttingDown)
 from .fallback import SOURCE, Fallback, FallbackFailed, FallbackTimeout, TrustConfig, TrustGate, Untrusted
 from .metrics import ServerMetrics
-from .protocol import HEADER_LENGTH, InferRequest, ValidationError, encode_infer_response, parse_infer_request
+from .protocol import HEADER_LENGTH, InferRequest, RequestParser, ValidationError, encode_infer_response
 from .registry import ServedModel
 from .worker import ModelInstances, ProcessBatcher
 
@@ -227,6 +227,7 @@ class InferEndpoint:
                  metrics: ServerMetrics, gates: Mapping[str, TrustGate] | None = None) -> None:
         self.models, self.batchers, self.settings, self.metrics = models, batchers, settings, metrics
         self.gates = dict(gates or {})
+        self.parsers = {name: RequestParser(m.inputs, m.all_outputs) for name, m in models.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         params = scope["path_params"]
@@ -286,7 +287,7 @@ class InferEndpoint:
         :class:`~converge.serve.batcher.Awaited` outputs (before the trust gate, if the model has one)."""
         limits = self.settings.batch
         try:
-            parsed = parse_infer_request(body, header_length, model.inputs, model.all_outputs)
+            parsed = self.parsers[model.name](body, header_length)
             if parsed.batch_size > limits.max_batch_size:
                 raise ValidationError(f"{parsed.batch_size} samples exceed max_batch_size={limits.max_batch_size}; "
                                       "split the request")

@@ -241,6 +241,78 @@ def parse_infer_request(body: bytes, header_length: str | int | None, inputs: Se
     return InferRequest(arrays, wanted, None if request_id is None else str(request_id), params)
 
 
+@dataclass(frozen=True)
+class BinaryLayout:
+    """What a binary request's JSON header said, once checked against the model's signature: each input's
+    name, dtype, shape and place in the binary part, and the request's outputs, id and parameters."""
+
+    arrays: tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]  # name, dtype, shape, offset, count
+    blob_size: int
+    finite: tuple[str, ...]  # the float inputs, whose values are checked on every request
+    outputs: dict[str, bool]
+    id: str | None
+    parameters: dict[str, Any]
+
+
+class RequestParser:
+    """:func:`parse_infer_request` for one model's signature, remembering the JSON headers of binary requests.
+
+    A client of the binary extension sends the same JSON header with every request of one shape (only the
+    bytes after it change). A header seen before and checked then is not parsed or checked again: its inputs
+    are read from the binary part at the places it gave, and only the values are checked (finite floats).
+    A request of 2,048 gw floats took 35 us to parse and check, most of it the header. The cache holds up to
+    ``size`` headers and starts again when full, so headers that never repeat (a distinct ``id`` in each)
+    cost only the parse they would have cost anyway. JSON bodies (data inside the JSON) are parsed each time.
+    """
+
+    def __init__(self, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], size: int = 256) -> None:
+        self.inputs, self.outputs, self.size = tuple(inputs), tuple(outputs), size
+        self.layouts: dict[bytes, BinaryLayout] = {}
+
+    def __call__(self, body: bytes, header_length: str | int | None) -> InferRequest:
+        if header_length is not None and header_length != "":
+            n = int(header_length) if isinstance(header_length, int) or header_length.isdigit() else -1
+            layout = self.layouts.get(body[:n]) if 0 <= n <= len(body) else None
+            if layout is not None and len(body) - n == layout.blob_size:
+                return self._read(layout, body, n)
+        request = parse_infer_request(body, header_length, self.inputs, self.outputs)
+        layout = self._layout(request, body, header_length)
+        if layout is not None:
+            if len(self.layouts) >= self.size:
+                self.layouts.clear()
+            self.layouts[body[:int(header_length)]] = layout
+        return request
+
+    def _read(self, layout: BinaryLayout, body: bytes, start: int) -> InferRequest:
+        arrays = {name: np.frombuffer(body, dtype, count, start + offset).reshape(shape)
+                  for name, dtype, shape, offset, count in layout.arrays}
+        for name in layout.finite:
+            if not np.isfinite(arrays[name]).all():  # the full parse says which input and how many values
+                return parse_infer_request(body, start, self.inputs, self.outputs)
+        return InferRequest(arrays, dict(layout.outputs), layout.id, layout.parameters)
+
+    @staticmethod
+    def _layout(request: InferRequest, body: bytes, header_length: str | int | None) -> BinaryLayout | None:
+        """The layout of a parsed request whose every input came in the binary part, else None."""
+        if header_length is None or header_length == "":
+            return None
+        start = int(header_length)
+        try:
+            tensors = orjson.loads(body[:start])["inputs"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):  # parsed leniently (NaN in the header): not kept
+            return None
+        arrays, offset = [], 0
+        for tensor in tensors:
+            size = (tensor.get("parameters") or {}).get("binary_data_size")
+            if size is None:  # data in the JSON: the header changes with the values
+                return None
+            arr = request.inputs[tensor["name"]]
+            arrays.append((tensor["name"], arr.dtype, arr.shape, offset, arr.size))
+            offset += size
+        finite = tuple(name for name, arr in request.inputs.items() if arr.dtype.kind == "f")
+        return BinaryLayout(tuple(arrays), offset, finite, dict(request.outputs), request.id, request.parameters)
+
+
 def encode_tensors(arrays: Mapping[str, np.ndarray], binary: Mapping[str, bool]) -> tuple[list[dict], list[bytes]]:
     """JSON tensors and the binary chunks (in order) for ``arrays``."""
     tensors, chunks = [], []

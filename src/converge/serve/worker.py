@@ -336,6 +336,7 @@ class ProcessBatcher(RequestQueue):
         self._queued_samples = 0
         self._closing = False
         self._broken: str | None = None
+        self._ended = False  # the answers' reader has seen the child's end and not yet a new child
         self._proc = self._feed = self._results = None
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # where the answers are read, if not on _reader
@@ -356,6 +357,12 @@ class ProcessBatcher(RequestQueue):
     @property
     def running(self) -> bool:
         return self.alive and not self._closing and self._broken is None
+
+    @property
+    def taking(self) -> bool:
+        """Whether requests put now reach a child (:attr:`running` without asking the system whether the child
+        lives, as ``is_alive`` does: a request given to a child that died unseen waits for the next one)."""
+        return self._proc is not None and not self._ended and not self._closing and self._broken is None
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the child, wait until it has loaded the model, and start reading its answers: on ``loop``, a
@@ -401,6 +408,7 @@ class ProcessBatcher(RequestQueue):
         with self._lock:  # requests that reached the old child but never started go to this one
             waiting = [(i, p) for i, p in self._inflight.items() if i not in self._started]
             old, self._proc, self._feed, self._results = self._feed, proc, feed, results
+            self._ended = False
             for request_id, p in waiting:
                 feed.put((request_id, p.inputs, p.n, p.arrived))
         if old is not None:
@@ -449,6 +457,7 @@ class ProcessBatcher(RequestQueue):
             try:
                 message = self._results.recv()
             except (EOFError, OSError):
+                self._ended = True
                 if not self._child_died():
                     return
                 self._idle()
@@ -469,6 +478,7 @@ class ProcessBatcher(RequestQueue):
         for message in reader.messages():
             self._answer(message)
         if not open_:
+            self._ended = True
             self._loop.remove_reader(reader.fd)
             threading.Thread(target=self._recover, name=f"recover-{self.name}", daemon=True).start()
 
@@ -649,7 +659,7 @@ class ModelInstances(RequestQueue):
         with self._lock:
             if self._queued_samples + pending.n > self.config.max_queue_size:  # the model's limit, not a child's
                 raise self._queue_full(self._queued_samples)
-            running = [(i, m) for i, m in enumerate(self.members) if m.running] if not self._closing else []
+            running = [(i, m) for i, m in enumerate(self.members) if m.taking] if not self._closing else []
             if not running:
                 broken = next((m._broken for m in self.members if m._broken), None)
                 raise ShuttingDown(broken or f"model {self.name!r} is shutting down")
@@ -670,8 +680,8 @@ class ModelInstances(RequestQueue):
     def _member_idle(self, member: ProcessBatcher) -> None:
         """A child ended a batch: the requests held here become its next one (where its answers are read)."""
         with self._lock:
-            if not member.running:
-                if not any(m.running for m in self.members):
+            if not member.taking:
+                if not any(m.taking for m in self.members):
                     self._fail_held(member._broken or f"model {self.name!r} stopped before answering")
                 return
             room = self.config.max_batch_size - member.queued_samples
