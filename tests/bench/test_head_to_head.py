@@ -7,7 +7,7 @@ import pytest
 
 from converge.apps.gw.app import GWApp
 from converge.apps.gw.config import GWConfig
-from converge.bench.head_to_head import load_in_turn, round_gain, summarize
+from converge.bench.head_to_head import cpu_split, load_in_turn, round_gain, summarize
 from converge.bench.loadgen import InferTarget, LoadProcess
 from converge.bench.serve import example_inputs
 from converge.bench.server_process import ServerProcess
@@ -56,7 +56,8 @@ def test_two_real_servers_are_loaded_in_turn_and_the_idle_one_stays_idle(tmp_pat
     with ServerProcess(run, "gw", 64, tmp_path / "a.log", startup_timeout_s=60) as a, \
             ServerProcess(run, "gw", 64, tmp_path / "b.log", startup_timeout_s=60) as b, LoadProcess() as load:
         targets = {name: InferTarget.from_inputs(s.url, "gw", samples) for name, s in (("a", a), ("b", b))}
-        rows = load_in_turn(load, targets, {"a": a.cpu_seconds, "b": b.cpu_seconds}, (1, 2), 2, 0.4, 0.1, 10.0)
+        rows = load_in_turn(load, targets, {"a": a.cpu_seconds, "b": b.cpu_seconds}, (1, 2), 2, 0.4, 0.1, 10.0,
+                            front={"a": a.front_cpu_seconds})
     assert [(r["round"], r["concurrency"], r["server"]) for r in rows] == [
         (0, 1, "a"), (0, 1, "b"), (0, 2, "a"), (0, 2, "b"), (1, 1, "b"), (1, 1, "a"), (1, 2, "b"), (1, 2, "a")]
     assert all(r["errors"] == 0 and r["requests"] > 0 and r["server_cpu_us_per_sample"] > 0 for r in rows)
@@ -68,3 +69,33 @@ def test_two_real_servers_are_loaded_in_turn_and_the_idle_one_stays_idle(tmp_pat
                                                 [r for r in rows if r["round"] == k and r["server"] == "b"])
                                      for k in (0, 1)]
     assert all(g >= 0 for g in out["gain_per_round"])
+    # a's CPU split in its front end (the HTTP server's own process) and its model process; b had no split
+    for r in rows:
+        if r["server"] == "a":
+            assert r["front_cpu_us_per_sample"] > 0 and r["workers_cpu_us_per_sample"] > 0
+            assert r["front_cpu_us_per_sample"] + r["workers_cpu_us_per_sample"] == pytest.approx(
+                r["server_cpu_us_per_sample"])
+        else:
+            assert "front_cpu_us_per_sample" not in r
+    split = cpu_split(rows, "a")
+    assert split["front_cpu_us_per_sample_range"][0] <= split["front_cpu_us_per_sample_median"] \
+        <= split["front_cpu_us_per_sample_range"][1]
+    assert cpu_split(rows, "b") is None
+
+
+def test_triton_settings_are_read_from_the_command_line_or_a_report():
+    from converge.bench.head_to_head import parse_triton_settings
+    from converge.bench.peer_settings import PeerSettings
+
+    assert parse_triton_settings("128:1:2") == PeerSettings(128, 1.0, 2)
+    assert parse_triton_settings({"max_batch_size": 64, "delay_ms": 0.0, "workers": 1}) == PeerSettings(64, 0.0, 1)
+    for bad in ("128:1", "128:x:2", "128:1:2:3", ""):
+        with pytest.raises(ValueError, match="give BATCH:DELAY_MS:INSTANCES"):
+            parse_triton_settings(bad)
+
+
+def test_the_duel_alone_refuses_a_set_up_the_serve_bench_does_not_have(tmp_path):
+    from converge.bench.head_to_head import duel_alone
+
+    with pytest.raises(ValueError, match="ours='unbatched': choose a batched mode of the serve bench: batched, "):
+        duel_alone(tmp_path, "unbatched", "64:0:1")

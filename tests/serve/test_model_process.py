@@ -252,6 +252,57 @@ def test_an_instance_whose_child_ended_is_passed_over_until_its_next_child_is_up
         np.testing.assert_array_equal(pool.infer({"x": batch(2)})["y"], model.predict({"x": batch(2)})["y"])
 
 
+def test_requests_awaited_on_the_loop_that_reads_the_answers_take_no_threadsafe_future(models):
+    import asyncio
+    from concurrent.futures import Future
+
+    from converge.serve.batcher import LoopFuture, RequestTimeout
+
+    model = models.make()
+    b = ProcessBatcher(model.loader, BatchConfig(max_batch_size=4), model.name, start=False)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, b.start, loop)  # start(loop) waits for the child: not on the loop
+        awaited = b.submit_waiter({"x": batch(2)})
+        assert isinstance(awaited.future, LoopFuture)
+        np.testing.assert_array_equal((await awaited.waiter)["y"], model.predict({"x": batch(2)})["y"])
+        slow = b.submit_waiter({"x": batch(1, first=-2.0)})  # the child runs this one for 0.5 s
+        late = b.submit_waiter({"x": batch(1)}, timeout=0.1)  # given up on while it waits behind it
+        with pytest.raises(RequestTimeout):
+            await late.waiter
+        assert late.future.cancelled()
+        await slow.waiter
+        threaded = b.submit({"x": batch(1)})  # not awaited on a loop: a Future another thread can wait on
+        assert isinstance(threaded, Future)
+        assert (await loop.run_in_executor(None, threaded.result, 10))["y"].shape == (1, 3)
+        await loop.run_in_executor(None, b.close)
+
+    asyncio.run(main())
+    assert b.queued_samples == 0
+
+
+def test_loop_future_keeps_the_future_protocol_the_batchers_use():
+    from concurrent.futures import CancelledError, InvalidStateError
+
+    from converge.serve.batcher import LoopFuture
+
+    f = LoopFuture()
+    with pytest.raises(InvalidStateError):
+        f.result()
+    assert f.cancel() and f.cancelled() and f.done() and not f.set_running_or_notify_cancel()
+    with pytest.raises(CancelledError):
+        f.exception()
+    g = LoopFuture()
+    assert g.set_running_or_notify_cancel() and not g.cancel() and not g.done()
+    g.set_result({"y": 1})
+    assert g.done() and g.result(0) == {"y": 1} and g.exception(0) is None
+    h = LoopFuture()
+    h.set_exception(ValueError("no"))
+    with pytest.raises(ValueError, match="no"):
+        h.result()
+
+
 def test_instances_need_model_processes():
     with pytest.raises(ValueError, match="instances=2: several instances run in processes of their own"):
         BatchConfig(instances=2, model_process=False)

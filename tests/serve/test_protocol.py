@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from converge.contract import TensorSpec
-from converge.serve.protocol import (DATATYPES, HEADER_LENGTH, ValidationError, datatype_of, decode_infer_response,
-                                     encode_infer_request, encode_infer_response, parse_infer_request)
+from converge.serve.protocol import (DATATYPES, HEADER_LENGTH, InferRequest, ValidationError, datatype_of,
+                                     decode_infer_response, encode_infer_request, encode_infer_response,
+                                     parse_infer_request)
 
 SPECS = [TensorSpec("x", "FP32", (-1, 2)), TensorSpec("k", "INT64", (-1,))]
 OUTS = [TensorSpec("y", "FP32", (-1,)), TensorSpec("z", "FP64", (-1, 2))]
@@ -207,3 +208,32 @@ def test_request_parser_keeps_only_binary_headers_and_at_most_its_size():
         body, headers = encode_infer_request({"x": x, "k": k}, binary=True, request_id=str(i))
         assert parser(body, headers[HEADER_LENGTH]).id == str(i)
         assert len(parser.layouts) <= 3
+
+
+def test_response_encoder_answers_byte_for_byte_as_the_full_encoding():
+    from converge.serve.protocol import ResponseEncoder
+
+    encoder, rng = ResponseEncoder("m", "1", size=4), np.random.default_rng(1)
+    binary = InferRequest({}, {"y": True, "z": True})
+    mixed = InferRequest({}, {"y": True, "z": False}, id="7")
+    for n in (2, 2, 3, 2):  # a new shape gets a header of its own; float64 y is sent as the FP64 it is
+        results = {"y": rng.normal(size=n), "z": rng.normal(size=(n, 2)).astype(np.float32)}
+        for request in (binary, mixed):
+            content, headers = encoder(request, results)
+            want, want_headers = encode_infer_response("m", "1", request, results)
+            assert content == want
+            assert headers == [(k.lower().encode(), v.encode()) for k, v in want_headers.items()]
+            got = decode_infer_response(content, dict(headers).get(b"inference-header-content-length", b"").decode()
+                                        or None)
+            np.testing.assert_array_equal(got["z"], results["z"])
+    assert len(encoder.heads) == 2  # all-binary answers of 2 and of 3 samples; the mixed ones each time
+
+
+def test_response_encoder_keeps_at_most_its_size():
+    from converge.serve.protocol import ResponseEncoder
+
+    encoder = ResponseEncoder("m", "1", size=2)
+    for i in range(5):  # a distinct id each time
+        content, _ = encoder(InferRequest({}, {"y": True}, id=str(i)), {"y": np.zeros(1)})
+        assert f'"id":"{i}"'.encode() in content
+        assert len(encoder.heads) <= 2

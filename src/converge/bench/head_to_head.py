@@ -13,6 +13,7 @@ best. The median over rounds is the figure.
 from __future__ import annotations
 
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -48,23 +49,42 @@ def round_gain(ours: Sequence[Mapping[str, Any]], peer: Sequence[Mapping[str, An
 
 def load_in_turn(load: LoadProcess, targets: Mapping[str, InferTarget], cpu: Mapping[str, Callable[[], float]],
                  concurrencies: Sequence[int], rounds: int, duration_s: float, warmup_s: float,
-                 timeout_s: float) -> list[dict]:
+                 timeout_s: float, front: Mapping[str, Callable[[], float]] | None = None) -> list[dict]:
     """``rounds`` rounds over ``concurrencies``; at each, every target in turn (order reversed on odd rounds).
     One row per window: the load result, the round, whose it was and the CPU per sample of every server (the
-    idle one's shows it stayed idle)."""
-    rows, names = [], list(targets)
+    idle one's shows it stayed idle); with ``front`` (CPU seconds of each server's own process), that part
+    of its CPU per sample beside the rest, its model workers'."""
+    rows, names, front = [], list(targets), dict(front or {})
     for k in range(rounds):
         for concurrency in concurrencies:
             for name in (names if k % 2 == 0 else names[::-1]):
                 before = {n: f() for n, f in cpu.items()}
+                front_before = front[name]() if name in front else float("nan")
                 result = load.run(targets[name], concurrency, duration_s, warmup_s, timeout_s).as_dict()
                 used = {n: f() - before[n] for n, f in cpu.items()}
                 served = result["throughput_sps"] * (warmup_s + duration_s)
-                rows.append({"round": k, "server": name, **result,
-                             "server_cpu_us_per_sample": 1e6 * used[name] / served if served > 0 else float("nan"),
-                             "cpu_share_of_others": {n: s / (warmup_s + duration_s) for n, s in used.items()
-                                                     if n != name}})
+                per_sample = (lambda seconds: 1e6 * seconds / served) if served > 0 else (lambda _: float("nan"))
+                row = {"round": k, "server": name, **result, "server_cpu_us_per_sample": per_sample(used[name]),
+                       "cpu_share_of_others": {n: s / (warmup_s + duration_s) for n, s in used.items() if n != name}}
+                if name in front:
+                    row["front_cpu_us_per_sample"] = per_sample(front[name]() - front_before)
+                    row["workers_cpu_us_per_sample"] = row["server_cpu_us_per_sample"] - row["front_cpu_us_per_sample"]
+                rows.append(row)
     return rows
+
+
+def cpu_split(rows: Sequence[Mapping[str, Any]], name: str) -> dict | None:
+    """Median CPU per sample of ``name``'s front end and of its model workers over its clean rows, with the
+    range of each; None without the split (:func:`load_in_turn`'s ``front``)."""
+    mine = [r for r in clean(rows) if r["server"] == name and "front_cpu_us_per_sample" in r]
+    if not mine:
+        return None
+    out = {}
+    for part in ("front", "workers"):
+        values = [r[f"{part}_cpu_us_per_sample"] for r in mine]
+        out[f"{part}_cpu_us_per_sample_median"] = statistics.median(values)
+        out[f"{part}_cpu_us_per_sample_range"] = [min(values), max(values)]
+    return out
 
 
 def summarize(rows: Sequence[Mapping[str, Any]], ours: str, peer: str, target: float) -> dict:
@@ -106,8 +126,58 @@ def measure_head_to_head(run_dir: Path, name: str, comparison: Mapping[str, Any]
                    rival: peer.target(samples)}
         rows = load_in_turn(load, targets, {"converge": ours.cpu_seconds, rival: peer.cpu_seconds},
                             CONCURRENCIES, cfg.head_to_head_rounds, cfg.duration_s, cfg.warmup_s,
-                            cfg.timeout_s)
+                            cfg.timeout_s, {"converge": ours.front_cpu_seconds, rival: peer.front_cpu_seconds})
     return {"peer": rival, "format": fmt, "ours_settings": {"mode": mode.name, **mode.settings},
             "peer_settings": peers[rival]["settings_best"], "concurrencies": list(CONCURRENCIES),
             "rounds": cfg.head_to_head_rounds, "duration_s": cfg.duration_s,
-            **summarize(rows, "converge", rival, GAIN_TARGETS[rival]), "rows": rows}
+            **summarize(rows, "converge", rival, GAIN_TARGETS[rival]),
+            "cpu_split": {n: cpu_split(rows, n) for n in ("converge", rival)}, "rows": rows}
+
+
+def parse_triton_settings(text: str | Mapping[str, Any]) -> PeerSettings:
+    """Triton's settings from ``BATCH:DELAY_MS:INSTANCES`` (``128:1:2``) or a dict of :class:`PeerSettings`."""
+    if isinstance(text, Mapping):
+        return PeerSettings(**text)
+    parts = str(text).split(":")
+    try:
+        batch, delay, workers = int(parts[0]), float(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        raise ValueError(f"Triton settings {text!r}: give BATCH:DELAY_MS:INSTANCES, e.g. 128:1:2") from None
+    if len(parts) != 3:
+        raise ValueError(f"Triton settings {text!r}: give BATCH:DELAY_MS:INSTANCES, e.g. 128:1:2")
+    return PeerSettings(batch, delay, workers)
+
+
+def duel_alone(run_dir: str | Path, ours_mode: str, triton: str | Mapping[str, Any], rounds: int = ROUNDS,
+               duration_s: float = 4.0, warmup_s: float = 1.0, logs: Path | None = None) -> dict:
+    """:func:`measure_head_to_head` on its own (``benchmarks/serve_head_to_head.py``): our serve bench mode
+    ``ours_mode`` against Triton at ``triton`` (:func:`parse_triton_settings`), on the run's example inputs."""
+    import tempfile
+
+    import torch
+
+    from ..config import from_dict
+    from ..contract import load_app
+    from ..serve.registry import load_served_model, run_config
+    from .serve import DISTINCT_REQUESTS, ServeBenchConfig, example_inputs
+
+    settings = parse_triton_settings(triton)
+    cfg = ServeBenchConfig(duration_s=duration_s, warmup_s=warmup_s, peers=("triton",), head_to_head_rounds=rounds)
+    if ours_mode not in {m.name for m in cfg.modes if m.batched}:
+        raise ValueError(f"ours={ours_mode!r}: choose a batched mode of the serve bench: "
+                         + ", ".join(m.name for m in cfg.modes if m.batched))
+    run_dir = Path(run_dir).resolve()
+    model = load_served_model(run_dir, device=cfg.device)
+    config = run_config(run_dir)
+    pool = example_inputs(config["app"], from_dict(load_app(config["app"]).config_cls, config["app_config"], "app"),
+                          DISTINCT_REQUESTS, cfg.seed)
+    samples = [{k: v[i:i + 1] for k, v in pool.items()} for i in range(DISTINCT_REQUESTS)]
+    signature = (tuple(model.inputs), tuple(model.outputs))
+    del model
+    comparison = {"peer": "triton", "vs_peers": {"triton": {"mode": ours_mode}}}
+    peers = {"triton": {"settings_best": asdict(settings)}}
+    with tempfile.TemporaryDirectory() as scratch, LoadProcess() as load:
+        folder = Path(logs) if logs is not None else Path(scratch)
+        return {"app": config["app"], "run": str(run_dir),
+                **measure_head_to_head(run_dir, config["app"], comparison, peers, [], samples, signature, load, cfg,
+                                       folder, torch.get_num_threads())}

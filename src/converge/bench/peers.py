@@ -191,6 +191,11 @@ class PeerServer:
         """CPU seconds the peer's processes (its server and every model instance) have used so far."""
         return process_cpu_seconds(self._proc.pid) if self._proc is not None else float("nan")
 
+    def front_cpu_seconds(self) -> float:
+        """CPU seconds of the peer's own process alone (tritonserver's C++ front end and scheduler, without the
+        Python backend stubs that run the model; MLServer's and LitServe's main process)."""
+        return process_cpu_seconds(self._proc.pid, descendants=False) if self._proc is not None else float("nan")
+
     def counters(self) -> tuple[float, float] | None:
         """(samples inferred, model executions) so far, from Triton's statistics; None for the other peers."""
         if self.peer != "triton":

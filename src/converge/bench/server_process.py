@@ -14,9 +14,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 
-def process_cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int, descendants: bool = True) -> float:
     """User + system CPU seconds used so far by process ``pid`` and its live descendants (the model processes of
-    ``converge serve``), from Linux's /proc; NaN where /proc cannot tell (another OS, or ``pid`` gone)."""
+    ``converge serve``), or by ``pid`` alone; from Linux's /proc; NaN where /proc cannot tell (another OS, or
+    ``pid`` gone)."""
     proc = Path(f"/proc/{pid}")
     try:
         fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()  # fields after the command's parentheses
@@ -24,6 +25,8 @@ def process_cpu_seconds(pid: int) -> float:
     except (OSError, ValueError, IndexError):
         return float("nan")
     own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (stat fields 14, 15)
+    if not descendants:
+        return own
     return own + sum(np.nan_to_num(process_cpu_seconds(c)) for c in children)  # a child gone meanwhile: 0
 
 
@@ -98,6 +101,10 @@ class ServerProcess:
     def cpu_seconds(self) -> float:
         """CPU seconds the server and its model processes have used so far (:func:`process_cpu_seconds`)."""
         return process_cpu_seconds(self._proc.pid) if self._proc is not None else float("nan")
+
+    def front_cpu_seconds(self) -> float:
+        """CPU seconds of the server's own process alone (the HTTP front end: parsing, batching, answering)."""
+        return process_cpu_seconds(self._proc.pid, descendants=False) if self._proc is not None else float("nan")
 
     def counters(self) -> tuple[float, float]:
         """(samples inferred, model calls) so far, from the server's own Prometheus counters."""

@@ -41,7 +41,7 @@ from .batcher import (Awaited, BatchConfig, Batcher, BatchFailed, QueueFull, Req
                       ShuttingDown)
 from .fallback import SOURCE, Fallback, FallbackFailed, FallbackTimeout, TrustConfig, TrustGate, Untrusted
 from .metrics import ServerMetrics
-from .protocol import HEADER_LENGTH, InferRequest, RequestParser, ValidationError, encode_infer_response
+from .protocol import HEADER_LENGTH, InferRequest, RequestParser, ResponseEncoder, ValidationError
 from .registry import ServedModel
 from .worker import ModelInstances, ProcessBatcher
 
@@ -228,6 +228,7 @@ class InferEndpoint:
         self.models, self.batchers, self.settings, self.metrics = models, batchers, settings, metrics
         self.gates = dict(gates or {})
         self.parsers = {name: RequestParser(m.inputs, m.all_outputs) for name, m in models.items()}
+        self.encoders = {name: ResponseEncoder(m.name, m.version) for name, m in models.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         params = scope["path_params"]
@@ -303,12 +304,12 @@ class InferEndpoint:
     def reply(self, model: ServedModel, parsed: InferRequest, results: Mapping[str, np.ndarray]) -> Reply:
         """The answer to ``parsed`` with the model's ``results``, counted."""
         try:
-            content, headers = encode_infer_response(model.name, model.version, parsed, results)
+            content, headers = self.encoders[model.name](parsed, results)
         except ValueError as err:  # e.g. NaN asked for as JSON
             self.metrics.request_done(model.name, "model_error")
             return error_reply(ServeError(500, f"model {model.name!r}: {err}"))
         self.metrics.request_done(model.name, None)
-        return Reply(200, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()], content)
+        return Reply(200, headers, content)
 
 
 class ServingApp(FastAPI):

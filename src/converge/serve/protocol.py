@@ -352,6 +352,42 @@ def encode_infer_response(model: str, version: str, request: InferRequest,
     return encode_message(doc, chunks)
 
 
+class ResponseEncoder:
+    """:func:`encode_infer_response` for one model, remembering the JSON header of answers sent all in binary.
+
+    Answers to requests of one shape share their JSON header (names, datatypes, shapes, byte counts): it is
+    written once and kept, keyed by the request's id and each output's name, dtype and shape, and later
+    answers are that header and their bytes. Returns the body and its HTTP headers as (lower-case name,
+    value) bytes. At most ``size`` headers are kept (then it starts again, as :class:`RequestParser` does);
+    an answer with any output as JSON is encoded in full each time.
+    """
+
+    def __init__(self, model: str, version: str, size: int = 256) -> None:
+        self.model, self.version, self.size = model, version, size
+        self.heads: dict[tuple, tuple[bytes, list[tuple[bytes, bytes]], tuple[np.dtype, ...]]] = {}
+
+    def __call__(self, request: InferRequest, results: Mapping[str, np.ndarray]
+                 ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        if not all(request.outputs.values()):
+            return self._full(request, results)
+        arrays = [np.asarray(results[name]) for name in request.outputs]
+        key = (request.id, tuple((name, a.dtype, a.shape) for name, a in zip(request.outputs, arrays)))
+        known = self.heads.get(key)
+        if known is None:
+            content, headers = self._full(request, results)
+            if len(self.heads) >= self.size:
+                self.heads.clear()
+            head_length = int(dict(headers)[HEADER_LENGTH.lower().encode("latin-1")])
+            self.heads[key] = (content[:head_length], headers, tuple(DATATYPES[datatype_of(a.dtype)] for a in arrays))
+            return content, headers
+        head, headers, dtypes = known
+        return b"".join([head, *(np.ascontiguousarray(a, dtype=d).tobytes() for a, d in zip(arrays, dtypes))]), headers
+
+    def _full(self, request: InferRequest, results: Mapping[str, np.ndarray]) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        content, headers = encode_infer_response(self.model, self.version, request, results)
+        return content, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
 # -- client side ---------------------------------------------------------------------------------------------------
 def encode_infer_request(inputs: Mapping[str, np.ndarray], binary: bool = True,
                          outputs: Sequence[str] | None = None, request_id: str | None = None) -> tuple[bytes, dict]:

@@ -424,6 +424,9 @@ class ProcessBatcher(RequestQueue):
         self._put(pending)
         return pending
 
+    def _settles_on(self, loop: asyncio.AbstractEventLoop) -> bool:
+        return self._loop is loop  # answers read on the loop (start(loop)), not on a thread of their own
+
     def _put(self, pending: Pending) -> None:
         """Hand ``pending`` to the child (or raise :class:`ShuttingDown` / :class:`QueueFull`)."""
         with self._lock:
@@ -653,6 +656,9 @@ class ModelInstances(RequestQueue):
         with ThreadPoolExecutor(len(self.members)) as pool:
             for done in [pool.submit(m.start, loop) for m in self.members]:
                 done.result()
+
+    def _settles_on(self, loop: asyncio.AbstractEventLoop) -> bool:
+        return all(m._settles_on(loop) for m in self.members)
 
     def _enqueue(self, inputs: Mapping[str, np.ndarray], waiter: asyncio.Future | None = None) -> Pending:
         pending = self._pending(inputs, waiter)
