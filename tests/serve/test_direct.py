@@ -33,6 +33,7 @@ def doc(x: np.ndarray) -> bytes:
 ])
 def test_infer_urls_are_recognised_and_nothing_else(url, target):
     assert infer_target(url) == target
+    assert infer_target(bytes(url)) == target  # the second time from the cache of URLs seen, the same answer
 
 
 def counting_asgi_calls(monkeypatch) -> list:

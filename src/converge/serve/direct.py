@@ -19,6 +19,7 @@ and a vanished client's request cancelled in its queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Coroutine
@@ -39,6 +40,7 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 CLIENT_GONE = 499  # the status the metrics and the access log give a request whose client left before its answer
 
 
+@functools.lru_cache(maxsize=1024)  # clients send the same few URLs again and again: 2.6 us each, 0.2 us known
 def infer_target(url: bytes) -> tuple[str, str | None] | None:
     """(model name, version or None) of an infer URL (``/v2/models/NAME[/versions/V]/infer``, any query), else
     None; a percent-encoded path is None too (the ASGI path decodes it)."""
