@@ -33,7 +33,7 @@ browser:
 	  || echo "chromium not installed: the report render test will skip"; }
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" --durations=15
 
 # The serving peers' environments (Triton from Debian's /usr/bin/python3.11, MLServer, LitServe), made once
 # under runs/peer-envs before `converge bench serve RUN --peers triton,mlserver,litserve` needs them.

@@ -226,6 +226,9 @@ def test_instances_bound_the_queue_as_one_model_and_survive_a_crash(models):
             crash.result(60)
         np.testing.assert_array_equal(pool.infer({"x": batch(2)})["y"], model.predict({"x": batch(2)})["y"])
         assert pool.restarts == 1
+        t = time.monotonic()
+        pool.close()  # while the crashed child's successor may still be loading: it is stopped once up
+        assert time.monotonic() - t < 15, "close waited out its 30 s timeout for a child started meanwhile"
     with pytest.raises(ShuttingDown):
         pool.submit({"x": batch(1)})
 

@@ -409,10 +409,13 @@ class ProcessBatcher(RequestQueue):
             waiting = [(i, p) for i, p in self._inflight.items() if i not in self._started]
             old, self._proc, self._feed, self._results = self._feed, proc, feed, results
             self._ended = False
+            closing = self._closing
             for request_id, p in waiting:
                 feed.put((request_id, p.inputs, p.n, p.arrived))
         if old is not None:
             old.close()
+        if closing:  # close() came while this child loaded, and found no child to stop: it ends after these
+            feed.put(None)
 
     @property
     def busy(self) -> bool:
