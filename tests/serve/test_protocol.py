@@ -227,6 +227,9 @@ def test_response_encoder_answers_byte_for_byte_as_the_full_encoding():
                                         or None)
             np.testing.assert_array_equal(got["z"], results["z"])
     assert len(encoder.heads) == 2  # all-binary answers of 2 and of 3 samples; the mixed ones each time
+    none = InferRequest({}, {})  # "outputs": [] asks for none: the answer is its JSON header alone
+    assert encoder(none, results) == (encode_infer_response("m", "1", none, results)[0],
+                                      [(b"content-type", b"application/json")])
 
 
 def test_response_encoder_keeps_at_most_its_size():

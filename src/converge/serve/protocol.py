@@ -368,7 +368,7 @@ class ResponseEncoder:
 
     def __call__(self, request: InferRequest, results: Mapping[str, np.ndarray]
                  ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-        if not all(request.outputs.values()):
+        if not request.outputs or not all(request.outputs.values()):  # none asked for: a JSON header alone
             return self._full(request, results)
         arrays = [np.asarray(results[name]) for name in request.outputs]
         key = (request.id, tuple((name, a.dtype, a.shape) for name, a in zip(request.outputs, arrays)))
