@@ -13,7 +13,8 @@ clients, the order reversed every round. Each round's gain is our best throughpu
 a p99 no worse than Triton's best, over Triton's best; the median over rounds is the
 figure. Each server's CPU per sample is split into its front end (its own process:
 HTTP, batching, answering) and its model workers (our model processes, Triton's
-Python backend stubs), which says where the two differ.
+Python backend stubs), which says where the two differ. Triton's answers are checked equal
+to ours by the full bench, not again here.
 
 Writes ``benchmarks/results/serve_head_to_head.json`` (per app, with the machine);
 apps not measured keep their entries.
