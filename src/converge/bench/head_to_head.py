@@ -156,10 +156,8 @@ def duel_alone(run_dir: str | Path, ours_mode: str, triton: str | Mapping[str, A
 
     import torch
 
-    from ..config import from_dict
-    from ..contract import load_app
-    from ..serve.registry import load_served_model, run_config
-    from .serve import DISTINCT_REQUESTS, ServeBenchConfig, example_inputs
+    from ..serve.registry import load_served_model
+    from .serve import DISTINCT_REQUESTS, ServeBenchConfig, one_per_request, run_examples
 
     settings = parse_triton_settings(triton)
     cfg = ServeBenchConfig(duration_s=duration_s, warmup_s=warmup_s, peers=("triton",), head_to_head_rounds=rounds)
@@ -168,10 +166,8 @@ def duel_alone(run_dir: str | Path, ours_mode: str, triton: str | Mapping[str, A
                          + ", ".join(m.name for m in cfg.modes if m.batched))
     run_dir = Path(run_dir).resolve()
     model = load_served_model(run_dir, device=cfg.device)
-    config = run_config(run_dir)
-    pool = example_inputs(config["app"], from_dict(load_app(config["app"]).config_cls, config["app_config"], "app"),
-                          DISTINCT_REQUESTS, cfg.seed)
-    samples = [{k: v[i:i + 1] for k, v in pool.items()} for i in range(DISTINCT_REQUESTS)]
+    config, pool = run_examples(run_dir, DISTINCT_REQUESTS, cfg.seed)
+    samples = one_per_request(pool)
     signature = (tuple(model.inputs), tuple(model.outputs))
     del model
     comparison = {"peer": "triton", "vs_peers": {"triton": {"mode": ours_mode}}}

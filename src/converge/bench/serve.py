@@ -175,6 +175,22 @@ def parse_counts(text: str) -> tuple[int, ...]:
 
 
 # -- inputs ----------------------------------------------------------------------------------------------------------
+def run_examples(run_dir: Path, n: int, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+    """A run's config and ``n`` example inputs for its served model (:func:`example_inputs`)."""
+    from ..config import from_dict
+    from ..contract import load_app
+    from ..serve.registry import run_config
+
+    config = run_config(run_dir)
+    app_cfg = from_dict(load_app(config["app"]).config_cls, config["app_config"], "app")
+    return config, example_inputs(config["app"], app_cfg, n, seed)
+
+
+def one_per_request(pool: Mapping[str, np.ndarray], n: int = DISTINCT_REQUESTS) -> list[dict[str, np.ndarray]]:
+    """The first ``n`` samples of ``pool``, each a request of its own (what the clients send, cycled)."""
+    return [{k: v[i:i + 1] for k, v in pool.items()} for i in range(n)]
+
+
 def example_inputs(app_name: str, app_cfg: Any, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     """``n`` realistic samples for the served model of ``app_name`` (the app's ``serving_example``)."""
     from ..contract import load_app
@@ -260,24 +276,20 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
     """Model ceiling and the server sweep of one run (see the module docstring); server logs go to ``log_dir``."""
     import torch
 
-    from ..contract import load_app
-    from ..config import from_dict
     from ..serve.protocol import check_inputs
-    from ..serve.registry import load_served_model, run_config
+    from ..serve.registry import load_served_model
 
     run_dir = Path(run_dir).resolve()
     model = load_served_model(run_dir, device=cfg.device)
     for peer in cfg.peers:  # set up (once) before anything is measured: a failure here costs nothing
         ensure_peer_env(peer, cfg.peer_env_root)
-    config = run_config(run_dir)
-    app_cfg = from_dict(load_app(config["app"]).config_cls, config["app_config"], "app")
-    pool = example_inputs(config["app"], app_cfg, max(max(cfg.ceiling_batches), DISTINCT_REQUESTS), cfg.seed)
+    config, pool = run_examples(run_dir, max(max(cfg.ceiling_batches), DISTINCT_REQUESTS), cfg.seed)
     check_inputs(pool, model.inputs)
     outputs, precision, threads = [s.name for s in model.outputs], model.precision, torch.get_num_threads()
     signature = (tuple(model.inputs), tuple(model.outputs))  # what Triton's config declares
     t0 = time.perf_counter()
     ceiling = model_ceiling(model.predict, pool, cfg.ceiling_batches, cfg.ceiling_min_time_s)
-    samples = [{k: v[i:i + 1] for k, v in pool.items()} for i in range(DISTINCT_REQUESTS)]
+    samples = one_per_request(pool)
     reference = model.predict(samples[0])  # what the peers must answer
     del model  # the servers get the cores from here on
     sweep: list[dict] = []

@@ -270,17 +270,20 @@ class RequestParser:
         self.layouts: dict[bytes, BinaryLayout] = {}
 
     def __call__(self, body: bytes, header_length: str | int | None) -> InferRequest:
-        if header_length is not None and header_length != "":
+        binary = header_length is not None and header_length != ""
+        if binary:
             n = int(header_length) if isinstance(header_length, int) or header_length.isdigit() else -1
             layout = self.layouts.get(body[:n]) if 0 <= n <= len(body) else None
             if layout is not None and len(body) - n == layout.blob_size:
                 return self._read(layout, body, n)
         request = parse_infer_request(body, header_length, self.inputs, self.outputs)
-        layout = self._layout(request, body, header_length)
-        if layout is not None:
-            if len(self.layouts) >= self.size:
-                self.layouts.clear()
-            self.layouts[body[:int(header_length)]] = layout
+        if binary:  # parsed, so the length is a valid one
+            head = body[:int(header_length)]
+            layout = self._layout(request, head)
+            if layout is not None:
+                if len(self.layouts) >= self.size:
+                    self.layouts.clear()
+                self.layouts[head] = layout
         return request
 
     def _read(self, layout: BinaryLayout, body: bytes, start: int) -> InferRequest:
@@ -292,13 +295,11 @@ class RequestParser:
         return InferRequest(arrays, dict(layout.outputs), layout.id, layout.parameters)
 
     @staticmethod
-    def _layout(request: InferRequest, body: bytes, header_length: str | int | None) -> BinaryLayout | None:
-        """The layout of a parsed request whose every input came in the binary part, else None."""
-        if header_length is None or header_length == "":
-            return None
-        start = int(header_length)
+    def _layout(request: InferRequest, head: bytes) -> BinaryLayout | None:
+        """The layout of a parsed binary request (its JSON header ``head``) whose every input came in the binary
+        part, else None."""
         try:
-            tensors = orjson.loads(body[:start])["inputs"]
+            tensors = orjson.loads(head)["inputs"]
         except (orjson.JSONDecodeError, KeyError, TypeError):  # parsed leniently (NaN in the header): not kept
             return None
         arrays, offset = [], 0
