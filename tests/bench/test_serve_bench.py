@@ -175,6 +175,7 @@ def test_run_serve_benchmark_end_to_end(tiny_run, tmp_path):
     assert (tmp_path / "serve-batched_2_instances.log").read_text().count("/infer") > 0
     assert report["model_only_single"] > 0 and report["model_only_best"]["batch_size"] in (1, 4)
     assert report["throughput_batched_best"] > 0 and report["p99_ms_batched_best"] > 0
+    assert report["machine"]["logical_cpus"] == os.cpu_count() and report["machine"]["cpu"]["model_name"]
     # one lone client, measured with the model on a thread only (concurrency 1 was not swept otherwise)
     assert report["mode_single_unbatched"] == "unbatched_thread" and report["throughput_single_unbatched"] > 0
     assert 0 < report["loadgen_cpu_share_max"] < 1.5

@@ -45,6 +45,7 @@ from .server_process import ServeBenchError, ServerProcess, check_server
 from .peer_envs import DEFAULT_ENV_ROOT, PEERS, ensure_peer_env
 from .peer_settings import PeerSettings, check_settings, default_grid, parse_peer_grid
 from .head_to_head import ROUNDS, measure_head_to_head
+from .machine import describe_machine
 from .peers import PEER_FORMATS, PeerError, compare_with_peers, fastest_clean, measure_peer
 from .serve_plot import plot_serve_sweep
 
@@ -339,6 +340,7 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
         "loadgen_cpu_share_max": max(r["cpu_share"] for r in sweep),
         "loadgen_cpu_share_mean": float(np.mean([r["cpu_share"] for r in sweep])),
         "seconds": time.perf_counter() - t0,
+        "machine": describe_machine(),  # apps of one serve.json may come from different runs, machines
     }
 
 
