@@ -48,7 +48,7 @@ def _tables(config: Optional[Path], sets: Optional[list[str]]) -> tuple[dict[str
 
 def _fail(message: str, code: int = 2) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every rank fails alike; one says why
-        console.print(f"[bold red]error:[/] {escape(message)}")  # messages name [tables]: not markup
+        console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # not markup; paths unwrapped
     raise typer.Exit(code)
 
 
