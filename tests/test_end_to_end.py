@@ -116,6 +116,12 @@ def test_resume_of_simulate_is_a_no_op_and_dataset_is_intact(tiny_run):
     assert before == {p.name: p.read_bytes() for p in (tiny_run / "train" / "shards").iterdir()}
 
 
+def test_an_error_naming_a_long_path_is_printed_on_one_line(tmp_path):
+    missing = tmp_path / ("deep" * 40) / "data"  # far wider than a terminal: the path must stay copyable
+    proc = converge("train", "gw", "--data", missing, "--out", tmp_path / "r", check=False)
+    assert proc.returncode == 2 and f"dataset {missing} does not exist" in proc.stderr.splitlines()[0]
+
+
 def test_cli_config_errors_name_the_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nlearning_rate = 0.1\n")
