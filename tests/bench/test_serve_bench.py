@@ -19,7 +19,7 @@ from converge.apps.gw.app import GWApp
 from converge.apps.gw.config import GWConfig
 from converge.bench.loadgen import InferTarget, LoadProcess, latency_percentiles, run_load
 from converge.bench.serve import (
-    BatchingMode, ServeBenchConfig, example_inputs, headline, model_ceiling, parse_counts, run_serve_benchmark,
+    BatchingMode, ServeBenchConfig, cycled, example_inputs, headline, model_ceiling, parse_counts, run_serve_benchmark,
     summarize, write_results,
 )
 from converge.bench.serve_plot import plot_serve_sweep
@@ -130,6 +130,16 @@ def test_loadgen_counts_a_dead_server_as_errors_and_stops_on_time():
         run_load(target, concurrency=0, duration_s=1)
     with pytest.raises(ValueError, match="give http://HOST:PORT"):
         InferTarget("127.0.0.1:80", "gw", target.requests, 1)
+
+
+def test_the_model_alone_is_timed_on_the_samples_the_clients_send():
+    space = ChemConfig(molecules="chno_1to4")
+    sent = example_inputs("chem", space, 4)  # of different sizes: 5, 4, 3 and 8 atoms
+    batch = cycled(sent, 10)
+    assert batch["species"].shape == (10, *sent["species"].shape[1:])
+    assert all((batch[k][i] == sent[k][i % 4]).all() for k in sent for i in range(10))
+    atoms = (batch["species"] >= 0).sum(1)
+    assert atoms[:8].mean() == (sent["species"] >= 0).sum(1).mean() and len(set(atoms)) > 1
 
 
 def test_model_ceiling_and_example_inputs(tiny_run):

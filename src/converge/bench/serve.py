@@ -4,7 +4,9 @@
 
 1. the model's own ceiling, no server: ``ServedModel.predict`` (the app's
    ``serve_predict`` under the run's autocast, the very call the batcher makes)
-   at batch sizes 1..256, samples/s at each;
+   at batch sizes 1..256, samples/s at each, on the samples the clients send,
+   cycled (chem's example molecules differ in size: the first 16 average 5.3
+   atoms, the first 64 7.8, so any other batch would time other work);
 2. ``converge serve`` (uvicorn, in a subprocess on a free 127.0.0.1 port) with
    dynamic batching on (``max_batch_size`` 64, no queue delay) and off
    (``max_batch_size`` 1), swept over client concurrency with the load
@@ -192,6 +194,11 @@ def one_per_request(pool: Mapping[str, np.ndarray], n: int = DISTINCT_REQUESTS) 
     return [{k: v[i:i + 1] for k, v in pool.items()} for i in range(n)]
 
 
+def cycled(pool: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+    """``pool``'s samples repeated in order to ``size`` rows (row ``i`` is sample ``i % len(pool)``)."""
+    return {k: np.take(v, np.arange(size) % len(v), axis=0) for k, v in pool.items()}
+
+
 def example_inputs(app_name: str, app_cfg: Any, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     """``n`` realistic samples for the served model of ``app_name`` (the app's ``serving_example``)."""
     from ..contract import load_app
@@ -284,12 +291,13 @@ def run_serve_benchmark(run_dir: str | Path, cfg: ServeBenchConfig = ServeBenchC
     model = load_served_model(run_dir, device=cfg.device)
     for peer in cfg.peers:  # set up (once) before anything is measured: a failure here costs nothing
         ensure_peer_env(peer, cfg.peer_env_root)
-    config, pool = run_examples(run_dir, max(max(cfg.ceiling_batches), DISTINCT_REQUESTS), cfg.seed)
+    config, pool = run_examples(run_dir, DISTINCT_REQUESTS, cfg.seed)
     check_inputs(pool, model.inputs)
     outputs, precision, threads = [s.name for s in model.outputs], model.precision, torch.get_num_threads()
     signature = (tuple(model.inputs), tuple(model.outputs))  # what Triton's config declares
     t0 = time.perf_counter()
-    ceiling = model_ceiling(model.predict, pool, cfg.ceiling_batches, cfg.ceiling_min_time_s)
+    ceiling = model_ceiling(model.predict, cycled(pool, max(cfg.ceiling_batches)), cfg.ceiling_batches,
+                            cfg.ceiling_min_time_s)
     samples = one_per_request(pool)
     reference = model.predict(samples[0])  # what the peers must answer
     del model  # the servers get the cores from here on
