@@ -22,7 +22,7 @@ def plot_serve_sweep(reports: Mapping[str, Mapping[str, Any]], path: str | Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(reports), figsize=(6.5 * len(reports), 7), squeeze=False)
     for ax, (label, report) in zip(axes[0], reports.items()):
         modes = list(dict.fromkeys(r["mode"] for r in report["sweep"]))
         for mode, fmt in sorted({(r["mode"], r["format"]) for r in report["sweep"]}):
@@ -46,7 +46,7 @@ def plot_serve_sweep(reports: Mapping[str, Mapping[str, Any]], path: str | Path)
         ax.set(xscale="log", yscale="log", xlabel="throughput [samples/s] (point labels: concurrency)",
                ylabel="p99 latency [ms]",
                title=f"{label}: converge serve{peers}")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: the curves stay clear
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
