@@ -29,7 +29,7 @@ from converge.apps.chem import ChemApp, ChemConfig
 from converge.bench.artifacts import write_json
 from converge.bench.machine import describe_machine
 from converge.train.loop import TrainConfig
-from converge.validate.active import calls_to_reach, compare_strategies
+from converge.validate.active import compare_strategies, reach_random_final
 
 RESULTS = Path(__file__).parent / "results"
 METRICS = ("energy_mae_kcal_mol", "force_mae_kcal_mol_A", "relative_energy_mae_kcal_mol")
@@ -59,12 +59,7 @@ def main() -> int:
            "initial": 48, "budget": 96, "rounds": 3, "n_test": 48, "seed": args.seed, "diversity": args.diversity,
            "curves": curves}
     for metric in METRICS:
-        calls = [c["dft_calls"] for c in curves["active"]]
-        target = curves["random"][-1][metric]
-        reach = calls_to_reach(calls, [c[metric] for c in curves["active"]], target, interpolate=True)
-        out[metric] = {"random_final": target, "active_final": curves["active"][-1][metric],
-                       "active_calls_to_reach_random_final": reach,
-                       "fraction_of_random_calls": None if reach is None else reach / calls[-1]}
+        out[metric] = reach_random_final({label: result[label] for label in ("active", "random")}, metric)
     out["target"] = {"fraction_of_random_calls_at_most": 0.5, "metric": "energy_mae_kcal_mol",
                      "met": bool(out["energy_mae_kcal_mol"]["fraction_of_random_calls"] is not None
                                  and out["energy_mae_kcal_mol"]["fraction_of_random_calls"] <= 0.5)}

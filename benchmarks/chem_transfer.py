@@ -30,7 +30,7 @@ from converge.apps.chem import ChemApp, ChemConfig
 from converge.apps.chem.evaluate import (error_report, predict, relative_energy_mae, time_dft, time_surrogate,
                                         xtb_baseline)
 from converge.apps.chem.screen import ScreenConfig, screen_file
-from converge.apps.chem.molecule_set import molecule_set, pad_atoms
+from converge.apps.chem.molecule_set import molecule_set, pad_conformers
 from converge.apps.chem.smiles import heavy_atoms, library
 from converge.bench.artifacts import pyplot, save_figure, write_json
 from converge.bench.machine import describe_machine
@@ -107,16 +107,11 @@ def simulate_test(args: argparse.Namespace) -> float:
 
 def load_test(args: argparse.Namespace, n_atoms: int) -> dict[str, np.ndarray]:
     """The test molecules' conformers, padded to ``n_atoms`` atoms, with the molecule index of each."""
-    parts = {"species": [], "coordinates": [], "energy": [], "forces": [], "molecule": []}
+    parts = []
     for k, (name, _) in enumerate(test_molecules(args)):
-        a = ShardStore.open(args.out / "test" / name).load()
-        for i in range(len(a["energy"])):
-            parts["species"].append(pad_atoms(a["species"][i], n_atoms, -1))
-            parts["coordinates"].append(pad_atoms(a["coordinates"][i], n_atoms, 0.0))
-            parts["forces"].append(pad_atoms(a["forces"][i], n_atoms, 0.0))
-            parts["energy"].append(a["energy"][i])
-            parts["molecule"].append(k)
-    return {key: np.asarray(v) for key, v in parts.items()}
+        a = ShardStore.open(args.out / "test" / name).load(["species", "coordinates", "energy", "forces"])
+        parts.append({**pad_conformers(a, n_atoms), "molecule": np.full(len(a["energy"]), k)})
+    return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
 
 def per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names) -> list[dict]:

@@ -299,7 +299,7 @@ def _run_round(problem: LearningProblem, learn: LearningConfig, train_cfg: Train
     here.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if r == 0:
-        chosen, scoring = problem.draw(stream_seed(learn.seed, STREAM_INITIAL), learn.initial), {}
+        chosen, scoring = draw_round(problem, learn, 0), {}
     else:
         chosen, scoring = _select(problem, learn, out_dir, r)
     t_select = time.perf_counter()
@@ -325,11 +325,22 @@ def _run_round(problem: LearningProblem, learn: LearningConfig, train_cfg: Train
     atomic_write_bytes(here / "metrics.json", json_bytes(json_round_trip(metrics)))
 
 
+def draw_round(problem: LearningProblem, learn: LearningConfig, r: int) -> list[dict[str, float]]:
+    """Round ``r``'s candidates: the initial set (r = 0) or the round's pool, from the problem's ``draw_round``
+    if it has one (a pool labelled beforehand hands out disjoint slices: :mod:`.pooled`), else from ``draw``
+    with the round's own seed."""
+    if hasattr(problem, "draw_round"):
+        return problem.draw_round(learn, r)
+    if r == 0:
+        return problem.draw(stream_seed(learn.seed, STREAM_INITIAL), learn.initial)
+    return problem.draw(stream_seed(learn.seed, STREAM_POOL, r), learn.pool_size)
+
+
 def _select(problem: LearningProblem, learn: LearningConfig, out_dir: Path, r: int) -> tuple[list, dict]:
     """Round r's candidates: from ``selection.json`` if an earlier try chose them, else chosen now."""
     path = round_dir(out_dir, r) / "selection.json"
     if not path.is_file():
-        pool = problem.draw(stream_seed(learn.seed, STREAM_POOL, r), learn.pool_size)
+        pool = draw_round(problem, learn, r)
         inputs = problem.inputs(pool)
         ensemble = load_ensemble(problem.app, round_dir(out_dir, r - 1) / "ensemble")
         scores = np.asarray(problem.disagreement(ensemble.predict(inputs), inputs), dtype=np.float64)
@@ -365,6 +376,19 @@ def calls_to_reach(calls: Sequence[float], errors: Sequence[float], target: floa
             c0, e0 = calls[k - 1], errors[k - 1]
             return float(c0 + (c - c0) * (e0 - target) / (e0 - e))
     return None
+
+
+def reach_random_final(curves: Mapping[str, Sequence[Mapping[str, Any]]], metric: str) -> dict[str, Any]:
+    """Where the active curve (``curves["active"]``, rounds with ``simulator_calls``) first reaches the random
+    curve's final ``metric`` (interpolated between rounds, :func:`calls_to_reach`), and that as a fraction of
+    random's calls (None: never)."""
+    calls = [h["simulator_calls"] for h in curves["random"]]
+    target = curves["random"][-1][metric]
+    reach = calls_to_reach([h["simulator_calls"] for h in curves["active"]],
+                           [h[metric] for h in curves["active"]], target, interpolate=True)
+    return {"random_final": target, "active_final": curves["active"][-1][metric],
+            "active_calls_to_reach_random_final": reach,
+            "fraction_of_random_calls": None if reach is None else reach / calls[-1]}
 
 
 def mean_curve(curves: Sequence[Sequence[Mapping[str, Any]]], metric: str) -> tuple[list[float], list[float]]:

@@ -12,7 +12,7 @@ import torch
 from converge.apps.chem import ChemApp, ChemConfig
 from converge.apps.chem.evaluate import error_report, relative_energy_mae
 from converge.apps.chem.model import ANIPotential, EnergiesForces
-from converge.apps.chem.molecule_set import pad_atoms, real_atoms
+from converge.apps.chem.molecule_set import pad_atoms, pad_conformers, real_atoms
 from converge.units import hartree_to_kcal_mol
 
 F64 = torch.float64
@@ -99,3 +99,14 @@ def test_relative_energy_error_ignores_a_per_molecule_offset_and_catches_a_wrong
 def test_pad_atoms_refuses_a_molecule_too_large():
     with pytest.raises(ValueError, match="does not fit 2 padded atoms"):
         pad_atoms(np.zeros((3, 3)), 2, 0.0)
+
+
+def test_pad_conformers_pads_every_atom_array_and_keeps_the_rest():
+    arrays = {"species": np.array([[8, 1, 1]]), "coordinates": np.ones((1, 3, 3)), "forces": np.ones((1, 3, 3)),
+              "energy": np.array([-76.4])}
+    out = pad_conformers(arrays, 5)
+    assert out["species"].tolist() == [[8, 1, 1, -1, -1]] and out["energy"] is arrays["energy"]
+    assert out["coordinates"].shape == out["forces"].shape == (1, 5, 3)
+    assert not out["forces"][0, 3:].any() and out["coordinates"][0, :3].all()
+    with pytest.raises(ValueError, match="does not fit 2 padded atoms"):
+        pad_conformers(arrays, 2)

@@ -13,6 +13,7 @@ changes an energy.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
@@ -81,6 +82,16 @@ def pad_atoms(array: np.ndarray, n: int, value: float) -> np.ndarray:
         raise ValueError(f"a molecule of {array.shape[0]} atoms does not fit {n} padded atoms")
     pad = np.full((n - array.shape[0], *array.shape[1:]), value, dtype=array.dtype)
     return np.concatenate([array, pad])
+
+
+def pad_conformers(arrays: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    """Stored conformers (species (N, A), coordinates and forces (N, A, 3), any other per-conformer arrays)
+    padded along the atom axis to ``n`` atoms: species with -1, coordinates and forces with 0."""
+    out = dict(arrays)
+    for key, value in (("species", PAD_SPECIES), ("coordinates", 0.0), ("forces", 0.0)):
+        if key in out:
+            out[key] = np.stack([pad_atoms(row, n, value) for row in np.asarray(out[key])])
+    return out
 
 
 def real_atoms(species: np.ndarray) -> np.ndarray:
