@@ -63,15 +63,32 @@ def stage_seconds(args: argparse.Namespace, stage: str, seconds: float, computed
     return float(found[stage])
 
 
-def simulate_train(args: argparse.Namespace) -> tuple[Path, float]:
-    cfg = ChemConfig(molecules=args.library, level=args.level, temperature=args.temperature)
+def simulate_train(args: argparse.Namespace, hot: bool = False) -> tuple[Path, float]:
+    """The training conformers at ``--temperature`` (or the ``--hot`` ones at ``--hot-temperature``)."""
+    temperature, n, folder = ((args.hot_temperature, args.hot, hot_dir(args)) if hot else
+                              (args.temperature, args.train, train_dir(args)))
+    cfg = ChemConfig(molecules=args.library, level=args.level, temperature=temperature)
     t0 = time.perf_counter()
-    res = run_ensemble(ChemApp(), cfg, SimulateConfig(samples=args.train, seed=11, workers=args.workers,
-                                                      shard_size=20), train_dir(args), progress=True)
+    res = run_ensemble(ChemApp(), cfg, SimulateConfig(samples=n, seed=12 if hot else 11, workers=args.workers,
+                                                      shard_size=20), folder, progress=True)
     if res.n_failed:
         print(f"train: {res.n_failed} DFT failures recorded: {res.failures[:3]}", file=sys.stderr)
-    return train_dir(args), stage_seconds(args, train_dir(args).name, time.perf_counter() - t0,
-                                          res.shards_computed > 0, grown=res.shards_skipped > 0)
+    return folder, stage_seconds(args, folder.name, time.perf_counter() - t0, res.shards_computed > 0,
+                                 grown=res.shards_skipped > 0)
+
+
+def hot_entry(args: argparse.Namespace) -> dict | None:
+    return {"n_conformers": args.hot, "temperature_K": args.hot_temperature} if args.hot else None
+
+
+def hot_dir(args: argparse.Namespace) -> Path:
+    """The ``--hot`` conformers of ``--library`` at ``--hot-temperature``."""
+    return library_folder(args, f"train-{args.hot_temperature:g}K")
+
+
+def training_stores(args: argparse.Namespace) -> list[ShardStore]:
+    """The training data: the conformers at ``--temperature``, and the ``--hot`` ones if asked for."""
+    return [ShardStore.open(train_dir(args))] + ([ShardStore.open(hot_dir(args))] if args.hot else [])
 
 
 def library_folder(args: argparse.Namespace, stem: str) -> Path:
@@ -216,7 +233,7 @@ def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     f_pred = np.mean([f for _, f in predictions], axis=0)
     members = [{"run": run.name, **test_errors(arrays, e, f)} for run, (e, f) in zip(runs, predictions)]
     return write_variant(args, {"variant": args.variant, "library": args.library,
-                                "n_conformers": len(ShardStore.open(train_dir(args))), "members": members,
+                                "n_conformers": sum(map(len, training_stores(args))), "members": members,
                                 **test_errors(arrays, e_pred, f_pred)})
 
 
@@ -261,6 +278,9 @@ def main() -> int:
     ap.add_argument("--test-conformers", type=int, default=10, help="conformers per test molecule")
     ap.add_argument("--level", default="fast", help="DFT level of training and test labels")
     ap.add_argument("--temperature", type=float, default=300.0, help="normal-mode sampling temperature, K")
+    ap.add_argument("--hot", type=int, default=0, help="this many more training conformers (DFT calls) over "
+                    "--library at --hot-temperature")
+    ap.add_argument("--hot-temperature", type=float, default=600.0, help="temperature of the --hot conformers, K")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=None, help="training epochs (default: the CLI's)")
     ap.add_argument("--batch-size", type=int, default=None)
@@ -285,12 +305,14 @@ def main() -> int:
     if args.members and not args.variant:
         ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
     torch.set_num_threads(1)
-    train_data, train_sim_s = simulate_train(args)
+    _, train_sim_s = simulate_train(args)
+    hot_sim_s = simulate_train(args, hot=True)[1] if args.hot else 0.0
     test_sim_s = simulate_test(args)
     if args.until == "simulate":
         return 0
     app = ChemApp()
-    store = ShardStore.open(train_data)
+    stores = training_stores(args)
+    n_train = sum(map(len, stores))
     cfg = ChemConfig(molecules=args.library, level=args.level, temperature=args.temperature,
                      force_weight=args.force_weight)
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
@@ -301,8 +323,10 @@ def main() -> int:
         return ensemble_variant(args, app, [args.out / m.strip() for m in args.members.split(",") if m.strip()])
     history = finished_history(run, tcfg.epochs)
     if history is None:  # train, or resume an interrupted run
-        result = train(app, cfg, tcfg, store.load(), run, resume=(run / "last.pt").exists(),
-                       extra_config={"data": str(train_data)})
+        parts = [store.load() for store in stores]
+        arrays = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        result = train(app, cfg, tcfg, arrays, run, resume=(run / "last.pt").exists(),
+                       extra_config={"data": [str(store.root) for store in stores]})
         history = result.history
     train_s = sum(h["seconds"] for h in history)
     if args.until == "train":
@@ -312,7 +336,8 @@ def main() -> int:
         entry = {"variant": args.variant, "library": args.library, "force_weight": cfg.force_weight,
                  "hidden": list(cfg.hidden),
                  "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")},
-                 "n_conformers": len(store), "epochs_run": len(history), "train_wall_s": train_s,
+                 "n_conformers": n_train, "hot": hot_entry(args), "epochs_run": len(history),
+                 "train_wall_s": train_s,
                  **test_errors(arrays, e_pred, f_pred)}
         return write_variant(args, entry)
     if args.only_screening:
@@ -331,8 +356,9 @@ def main() -> int:
     result_json = {
         "train": {"library": args.library, "n_molecules": len(train_mols),
                   "max_heavy_atoms": max(heavy_atoms(s) for _, s in library(args.library)),
-                  "n_conformers": len(store), "dft_calls": store.n_samples, "level_of_theory": cfg.level_of_theory,
-                  "temperature_K": args.temperature, "simulate_wall_s": train_sim_s, "train_wall_s": train_s,
+                  "n_conformers": n_train, "dft_calls": sum(s.n_samples for s in stores),
+                  "level_of_theory": cfg.level_of_theory, "temperature_K": args.temperature, "hot": hot_entry(args),
+                  "simulate_wall_s": train_sim_s + hot_sim_s, "train_wall_s": train_s,
                   "epochs_run": len(history),
                   "best_epoch": 1 + min(range(len(history)), key=lambda k: history[k][app.monitor.name]),
                   "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "patience")}},
