@@ -29,7 +29,8 @@ from converge.apps.chem import ChemApp, ChemConfig
 from converge.bench.artifacts import write_json
 from converge.bench.machine import describe_machine
 from converge.train.loop import TrainConfig
-from converge.validate.active import compare_strategies, reach_random_final
+from converge.validate.active import compare_strategies
+from converge.validate.curves import reach_random_final
 
 RESULTS = Path(__file__).parent / "results"
 METRICS = ("energy_mae_kcal_mol", "force_mae_kcal_mol_A", "relative_energy_mae_kcal_mol")

@@ -30,7 +30,7 @@ from converge.apps.chem import ChemApp, ChemConfig
 from converge.apps.chem.evaluate import (error_report, predict, relative_energy_mae, time_dft, time_surrogate,
                                         xtb_baseline)
 from converge.apps.chem.screen import ScreenConfig, screen_file
-from converge.apps.chem.molecule_set import molecule_set, pad_conformers
+from converge.apps.chem.molecule_set import molecule_set, stack_conformer_sets
 from converge.apps.chem.smiles import heavy_atoms, library
 from converge.bench.artifacts import pyplot, save_figure, write_json
 from converge.bench.machine import describe_machine
@@ -72,12 +72,13 @@ def simulate_train(args: argparse.Namespace, hot: bool = False) -> tuple[Path, f
     res = run_ensemble(ChemApp(), cfg, SimulateConfig(samples=n, seed=12 if hot else 11, workers=args.workers,
                                                       shard_size=20), folder, progress=True)
     if res.n_failed:
-        print(f"train: {res.n_failed} DFT failures recorded: {res.failures[:3]}", file=sys.stderr)
+        print(f"{folder.name}: {res.n_failed} DFT failures recorded: {res.failures[:3]}", file=sys.stderr)
     return folder, stage_seconds(args, folder.name, time.perf_counter() - t0, res.shards_computed > 0,
                                  grown=res.shards_skipped > 0)
 
 
 def hot_entry(args: argparse.Namespace) -> dict | None:
+    """The ``--hot`` conformers as the result file records them (None without)."""
     return {"n_conformers": args.hot, "temperature_K": args.hot_temperature} if args.hot else None
 
 
@@ -124,11 +125,9 @@ def simulate_test(args: argparse.Namespace) -> float:
 
 def load_test(args: argparse.Namespace, n_atoms: int) -> dict[str, np.ndarray]:
     """The test molecules' conformers, padded to ``n_atoms`` atoms, with the molecule index of each."""
-    parts = []
-    for k, (name, _) in enumerate(test_molecules(args)):
-        a = ShardStore.open(args.out / "test" / name).load(["species", "coordinates", "energy", "forces"])
-        parts.append({**pad_conformers(a, n_atoms), "molecule": np.full(len(a["energy"]), k)})
-    return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+    keys = ["species", "coordinates", "energy", "forces"]
+    return stack_conformer_sets([ShardStore.open(args.out / "test" / name).load(keys)
+                                 for name, _ in test_molecules(args)], n_atoms)
 
 
 def per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names) -> list[dict]:
@@ -304,6 +303,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.members and not args.variant:
         ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
+    if args.hot and (not args.variant or args.members):
+        ap.error("--hot trains a variant on more data: give --variant NAME (a name of its own, not an earlier run's)")
     torch.set_num_threads(1)
     _, train_sim_s = simulate_train(args)
     hot_sim_s = simulate_train(args, hot=True)[1] if args.hot else 0.0
@@ -326,7 +327,8 @@ def main() -> int:
         parts = [store.load() for store in stores]
         arrays = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
         result = train(app, cfg, tcfg, arrays, run, resume=(run / "last.pt").exists(),
-                       extra_config={"data": [str(store.root) for store in stores]})
+                       extra_config={"data": str(train_dir(args)),
+                                     **({"hot_data": str(hot_dir(args))} if args.hot else {})})
         history = result.history
     train_s = sum(h["seconds"] for h in history)
     if args.until == "train":

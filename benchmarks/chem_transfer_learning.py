@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chem_transfer_learning.py
 
 This needs the data of benchmarks/chem_transfer.py (``runs/chem-transfer``; ``--until simulate`` is enough):
-- its 2,500 DFT-labelled normal-mode conformers of the 126 molecules of ``chno_1to4_ext`` are the labelled pool;
+- its 2,500 DFT-labelled normal-mode conformers of the 126 molecules of ``chno_1to4_ext`` are the labelled pool
+  (the defaults, 250 + 3 x 750, use every row: a pool with DFT failures needs a smaller ``--pool``);
 - its 240 conformers of 24 unseen molecules with 5-7 heavy atoms are the held-out set.
 
 Query by committee (3 members, energy spread per atom) and random selection start from the same 250 random
@@ -34,14 +35,14 @@ import numpy as np
 import torch
 
 from converge.apps.chem import ChemApp, ChemConfig
-from converge.apps.chem.molecule_set import pad_conformers
-from converge.apps.chem.smiles import library
+from converge.apps.chem.molecule_set import pad_conformers, stack_conformer_sets
+from converge.apps.chem.smiles import heavy_atoms, library
 from converge.bench.artifacts import write_json
 from converge.bench.machine import describe_machine
 from converge.data.store import ShardStore
 from converge.train.loop import TrainConfig
-from converge.validate.active import (compare_strategies, plot_learning_curves, reach_random_final, round_dir,
-                                      run_active_learning, share_initial_round)
+from converge.validate.active import compare_strategies, round_dir, run_active_learning, share_initial_round
+from converge.validate.curves import plot_learning_curves, reach_random_final
 from converge.validate.pooled import PooledProblem
 
 RESULTS = Path(__file__).parent / "results"
@@ -51,20 +52,21 @@ SCHEMA = ("species", "coordinates", "energy", "forces", "molecule")
 TARGET_FRACTION = 0.5
 
 
-def labelled_sets(transfer: Path, n_test_molecules: int) -> tuple[dict, dict, list[str]]:
+def labelled_sets(transfer: Path, n_test_molecules: int) -> tuple[dict, dict, list[str], str]:
     """chem_transfer.py's training conformers (the pool) and test conformers (molecule = index in the test list),
-    padded to one atom count."""
+    padded to one atom count, and the pool's DFT level (``app.level``)."""
     train = transfer / f"train-{POOL_LIBRARY}"
     names = [name for name, _ in library(TEST_LIBRARY)[:n_test_molecules]]
     missing = [str(p) for p in [train, *(transfer / "test" / n for n in names)] if not (p / "manifest.json").is_file()]
     if missing:
         raise SystemExit(f"no labelled data at {', '.join(missing[:3])}: run benchmarks/chem_transfer.py "
                          f"--out {transfer} --until simulate first")
-    pool = ShardStore.open(train).load(list(SCHEMA))
+    store = ShardStore.open(train)
+    pool = store.load(list(SCHEMA))
     tests = [ShardStore.open(transfer / "test" / n).load(list(SCHEMA[:4])) for n in names]
     n_atoms = max(a["species"].shape[1] for a in [pool, *tests])
-    test = [{**pad_conformers(a, n_atoms), "molecule": np.full(len(a["energy"]), k)} for k, a in enumerate(tests)]
-    return (pad_conformers(pool, n_atoms), {key: np.concatenate([t[key] for t in test]) for key in SCHEMA}, names)
+    return (pad_conformers(pool, n_atoms), stack_conformer_sets(tests, n_atoms), names,
+            store.manifest["app_config"]["level"])
 
 
 def main() -> int:
@@ -84,9 +86,9 @@ def main() -> int:
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    pool, test, names = labelled_sets(args.transfer, args.test_molecules)
+    pool, test, names, level = labelled_sets(args.transfer, args.test_molecules)
     app = ChemApp()
-    cfg = ChemConfig(molecules=POOL_LIBRARY, level="fast", force_weight=1.0, max_atoms=pool["species"].shape[1])
+    cfg = ChemConfig(molecules=POOL_LIBRARY, level=level, force_weight=1.0, max_atoms=pool["species"].shape[1])
     problem = PooledProblem(app.learning_problem(cfg), pool, test, curve_metrics=METRICS, note={
         "pool": f"{args.transfer}/train-{POOL_LIBRARY}", "test": f"{args.transfer}/test: {len(names)} molecules"})
     tcfg = TrainConfig(**{**app.train_defaults, "seed": args.seed})  # `converge train chem`'s, as chem_transfer.py
@@ -105,7 +107,8 @@ def main() -> int:
     result = compare_strategies(app, cfg, args.out, **common)
     curves = {label: result[label] for label in ("active", "random")}
     out = {"pool": {"library": POOL_LIBRARY, "n_conformers": int(len(pool["energy"])),
-                    "n_molecules": int(len(np.unique(pool["molecule"]))), "max_heavy_atoms": 4,
+                    "n_molecules": int(len(np.unique(pool["molecule"]))),
+                    "max_heavy_atoms": max(heavy_atoms(smiles) for _, smiles in library(POOL_LIBRARY)),
                     "level_of_theory": cfg.level_of_theory, "source": problem.settings["pool"]},
            "test": {"library": TEST_LIBRARY, "n_molecules": len(names), "molecules": names,
                     "n_conformers": int(len(test["energy"]))},
@@ -122,9 +125,10 @@ def main() -> int:
         m: out[m]["fraction_of_random_calls"] is not None and out[m]["fraction_of_random_calls"] <= TARGET_FRACTION
         for m in METRICS}}
     transfer_json = args.results / "chem_transfer.json"
-    if transfer_json.is_file():  # one network on all of the pool, for scale (a single model, not a committee)
-        network = json.loads(transfer_json.read_text())["network"]
-        out["one_network_on_the_whole_pool"] = {m: network[m] for m in METRICS if m in network}
+    transfer = json.loads(transfer_json.read_text()) if transfer_json.is_file() else {}
+    if (transfer.get("train", {}).get("n_conformers") == len(pool["energy"]) and not transfer["train"].get("hot")
+            and transfer.get("test", {}).get("molecules") == names):  # one network on all the pool, for scale
+        out["one_network_on_the_whole_pool"] = {m: transfer["network"][m] for m in METRICS}
     out["machine"] = describe_machine()
     print(json.dumps({m: out[m] for m in METRICS}, indent=1))
     plot_learning_curves(curves, METRICS, args.results / "chem_transfer_learning.png")

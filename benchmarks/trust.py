@@ -55,13 +55,8 @@ from converge.data.atomic import atomic_write_bytes, json_bytes
 from converge.data.store import ShardStore
 from converge.train.loop import TrainConfig
 from converge.units import hartree_to_kcal_mol
-from converge.validate.active import (
-    calls_to_reach,
-    compare_strategies,
-    mean_curve,
-    median_distance,
-    round_dir,
-)
+from converge.validate.active import compare_strategies, median_distance, round_dir
+from converge.validate.curves import calls_to_reach, mean_curve
 from converge.serve.fallback import OOD, TrustConfig, TrustGate
 from converge.serve.protocol import DATATYPES, ValidationError, check_inputs
 from converge.serve.registry import load_served_model

@@ -11,14 +11,13 @@ from converge.data.store import ShardStore
 from converge.train.loop import TrainConfig
 from converge.validate.active import (
     LearningConfig,
-    calls_to_reach,
-    mean_curve,
     median_distance,
     round_dir,
     run_active_learning,
     select_candidates,
     share_initial_round,
 )
+from converge.validate.curves import calls_to_reach, mean_curve
 from converge.apps.chem.learning import (
     ChemLearning,
     atom_force_spread,

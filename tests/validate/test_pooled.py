@@ -11,7 +11,9 @@ from converge.config import ConfigError
 from converge.data.store import ShardStore
 from converge.simulate.sample import draw_parameters
 from converge.train.loop import TrainConfig
-from converge.validate.active import LearningConfig, compare_strategies, reach_random_final, round_dir
+from converge.data.sources import stream_seed
+from converge.validate.active import STREAM_POOL, LearningConfig, compare_strategies, round_dir
+from converge.validate.curves import reach_random_final
 from converge.validate.pooled import PooledProblem
 
 CFG = ChemConfig(molecule="water", level="fast", hidden=(8,))
@@ -50,7 +52,7 @@ def test_strategies_see_the_same_disjoint_pools_and_call_no_simulator(tmp_path, 
                                 n_test=3, train_cfg=TRAIN, problem=problem)
     assert CountingChemApp.calls == 0
     assert [h["simulator_calls"] for h in result["active"]] == [4, 6, 8] == [h["n_train"] for h in result["random"]]
-    order = np.random.default_rng(1).permutation(18)
+    order = np.random.default_rng(stream_seed(1, STREAM_POOL)).permutation(18)  # the pooled problem's own
     used = {}
     for label in ("active", "random"):
         rows = [int(p) for p in ShardStore.open(round_dir(tmp_path / label, 0) / "data").params()["row"]]
@@ -83,6 +85,12 @@ def test_a_pool_too_small_a_wrong_test_size_or_missing_arrays_are_refused(labell
         problem.draw_test(0, 5)
     with pytest.raises(ConfigError, match="the labelled test lacks forces"):
         PooledProblem(ChemApp().learning_problem(CFG), pool, {k: v for k, v in test.items() if k != "forces"})
+    padded = {**pool, "species": np.pad(pool["species"], ((0, 0), (0, 2)), constant_values=-1)}
+    with pytest.raises(ConfigError, match=r"pool's species is int64 \(5,\) per row, the app's schema says int64 "
+                                          r"\(3,\).*app.max_atoms"):
+        PooledProblem(ChemApp().learning_problem(CFG), padded, test)
+    with pytest.raises(NotImplementedError, match="use draw_round"):
+        problem.draw(0, 3)
 
 
 def test_reach_random_final_interpolates_and_says_never():

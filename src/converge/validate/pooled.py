@@ -24,7 +24,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..config import ConfigError
-from .active import HeldOut, LearningConfig, LearningProblem
+from ..data.sources import stream_seed
+from .active import STREAM_POOL, HeldOut, LearningConfig, LearningProblem
 from .ensemble import EnsembleModel, EnsemblePrediction
 
 
@@ -37,14 +38,21 @@ class PooledProblem:
         self.base, self.app, self.app_cfg = base, base.app, base.app_cfg
         self.target_error = base.target_error
         self.curve_metrics = tuple(curve_metrics or base.curve_metrics)
-        schema = list(self.app.schema(self.app_cfg))
+        schema = self.app.schema(self.app_cfg)
         for name, arrays in (("pool", pool), ("test", test)):
             missing = [k for k in schema if k not in arrays]
             if missing:
-                raise ConfigError(f"the labelled {name} lacks {', '.join(missing)} of the app's schema {schema}")
+                raise ConfigError(f"the labelled {name} lacks {', '.join(missing)} of the app's schema {list(schema)}")
+            for key, spec in schema.items():
+                found = np.asarray(arrays[key])
+                if found.shape[1:] != tuple(spec.shape) or found.dtype != np.dtype(spec.dtype):
+                    raise ConfigError(f"the labelled {name}'s {key} is {found.dtype} {found.shape[1:]} per row, the "
+                                      f"app's schema says {spec.dtype} {tuple(spec.shape)}: pad or cast the rows "
+                                      "to it, or configure the app for them (chem: app.max_atoms)")
         self.pool = {k: np.asarray(pool[k]) for k in schema}
         self.test = {k: np.asarray(test[k]) for k in schema}
-        self.n_pool, self.n_test = len(self.pool[schema[0]]), len(self.test[schema[0]])
+        first = next(iter(schema))
+        self.n_pool, self.n_test = len(self.pool[first]), len(self.test[first])
         self.settings = {"labelled_pool_rows": self.n_pool, "test_rows": self.n_test, **dict(note or {})}
 
     def draw_round(self, learn: LearningConfig, r: int) -> list[dict[str, float]]:
@@ -54,14 +62,14 @@ class PooledProblem:
             raise ConfigError(f"initial + rounds x pool_size = {learn.initial} + {learn.rounds} x {learn.pool_size} "
                               f"= {needed} rows, but the labelled pool holds {self.n_pool}: lower the pool size "
                               "or the rounds, or label a larger pool")
-        order = np.random.default_rng(learn.seed).permutation(self.n_pool)
+        order = np.random.default_rng(stream_seed(learn.seed, STREAM_POOL)).permutation(self.n_pool)
         start, stop = (0, learn.initial) if r == 0 else (learn.initial + (r - 1) * learn.pool_size,
                                                          learn.initial + r * learn.pool_size)
         return [{"row": float(i)} for i in order[start:stop]]
 
     def draw(self, seed: int, n: int) -> list[dict[str, float]]:
-        """``n`` rows at random (the loop itself takes :meth:`draw_round`, whose slices never overlap)."""
-        return [{"row": float(i)} for i in np.random.default_rng(seed).choice(self.n_pool, n, replace=False)]
+        raise NotImplementedError("a labelled pool hands out disjoint slices by round: use draw_round, as "
+                                  "run_active_learning does, so that no strategy is offered a row twice")
 
     def draw_test(self, seed: int, n: int) -> list[dict[str, float]]:
         """Every row of ``test``, in order (``n`` must be their number)."""

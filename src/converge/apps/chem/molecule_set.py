@@ -13,7 +13,7 @@ changes an energy.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -90,8 +90,18 @@ def pad_conformers(arrays: Mapping[str, np.ndarray], n: int) -> dict[str, np.nda
     out = dict(arrays)
     for key, value in (("species", PAD_SPECIES), ("coordinates", 0.0), ("forces", 0.0)):
         if key in out:
-            out[key] = np.stack([pad_atoms(row, n, value) for row in np.asarray(out[key])])
+            a = np.asarray(out[key])
+            if a.shape[1] > n:
+                raise ValueError(f"a molecule of {a.shape[1]} atoms does not fit {n} padded atoms")
+            out[key] = np.concatenate([a, np.full((len(a), n - a.shape[1], *a.shape[2:]), value, a.dtype)], axis=1)
     return out
+
+
+def stack_conformer_sets(sets: Sequence[Mapping[str, np.ndarray]], n: int) -> dict[str, np.ndarray]:
+    """Several stored sets of conformers (one molecule each, say) as one, padded to ``n`` atoms, with
+    ``molecule`` = the index of each conformer's set."""
+    parts = [{**pad_conformers(a, n), "molecule": np.full(len(a["energy"]), k)} for k, a in enumerate(sets)]
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
 def real_atoms(species: np.ndarray) -> np.ndarray:
