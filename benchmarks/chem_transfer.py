@@ -111,6 +111,21 @@ def test_molecules(args: argparse.Namespace) -> list[tuple[str, str]]:
     return library(TEST_LIBRARY)[: args.test_molecules]
 
 
+def labelled_test_molecules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The test molecules with at least one DFT-labelled conformer (:func:`unlabelled_test_molecules`: the rest)."""
+    return [(name, smiles) for name, smiles in test_molecules(args) if len(ShardStore.open(args.out / "test" / name))]
+
+
+def unlabelled_test_molecules(args: argparse.Namespace) -> list[dict]:
+    """The test molecules whose every conformer failed, with the first failure's message."""
+    out = []
+    for name, _ in test_molecules(args):
+        store = ShardStore.open(args.out / "test" / name)
+        if not len(store):
+            out.append({"molecule": name, "error": store.failures()[0]["error"] if store.failures() else "no samples"})
+    return out
+
+
 def simulate_test(args: argparse.Namespace) -> float:
     t0, computed = time.perf_counter(), False
     for k, (name, smiles) in enumerate(test_molecules(args)):
@@ -127,7 +142,7 @@ def load_test(args: argparse.Namespace, n_atoms: int) -> dict[str, np.ndarray]:
     """The test molecules' conformers, padded to ``n_atoms`` atoms, with the molecule index of each."""
     keys = ["species", "coordinates", "energy", "forces"]
     return stack_conformer_sets([ShardStore.open(args.out / "test" / name).load(keys)
-                                 for name, _ in test_molecules(args)], n_atoms)
+                                 for name, _ in labelled_test_molecules(args)], n_atoms)
 
 
 def per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names) -> list[dict]:
@@ -188,7 +203,7 @@ def speed(cfg: ChemConfig, model, arrays: dict[str, np.ndarray], n_dft: int) -> 
 
 def test_set(args: argparse.Namespace) -> tuple[list[str], dict]:
     """The test molecules' names and their DFT arrays, padded to the largest."""
-    names = [name for name, _ in test_molecules(args)]
+    names = [name for name, _ in labelled_test_molecules(args)]
     n_atoms = max(ShardStore.open(args.out / "test" / n).load(["species"])["species"].shape[1] for n in names)
     return names, load_test(args, n_atoms)
 
@@ -365,8 +380,9 @@ def main() -> int:
                   "best_epoch": 1 + min(range(len(history)), key=lambda k: history[k][app.monitor.name]),
                   "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "patience")}},
         "test": {"library": TEST_LIBRARY, "n_molecules": len(names), "molecules": names,
-                 "min_heavy_atoms": min(heavy_atoms(s) for _, s in test_molecules(args)),
-                 "max_heavy_atoms": max(heavy_atoms(s) for _, s in test_molecules(args)),
+                 "min_heavy_atoms": min(heavy_atoms(s) for _, s in labelled_test_molecules(args)),
+                 "max_heavy_atoms": max(heavy_atoms(s) for _, s in labelled_test_molecules(args)),
+                 "unlabelled": unlabelled_test_molecules(args),
                  "conformers_per_molecule": args.test_conformers, "n_conformers": int(len(arrays["energy"])),
                  "simulate_wall_s": test_sim_s, "level_of_theory": cfg.level_of_theory,
                  "overlap_with_train": sorted(set(names) & {m.name for m in train_mols})},
