@@ -5,7 +5,8 @@
 This needs the data of benchmarks/chem_transfer.py (``runs/chem-transfer``; ``--until simulate`` is enough):
 - its 2,500 DFT-labelled normal-mode conformers of the 126 molecules of ``chno_1to4_ext`` are the labelled pool
   (the defaults, 250 + 3 x 750, use every row: a pool with DFT failures needs a smaller ``--pool``);
-- its 240 conformers of 24 unseen molecules with 5-7 heavy atoms are the held-out set.
+- its 10 conformers of each of 24 unseen molecules with 5-7 heavy atoms are the held-out set (a molecule whose
+  every conformer failed DFT is left out, as there).
 
 Query by committee (3 members, energy spread per atom) and random selection start from the same 250 random
 conformers. In each of 3 rounds, each takes 250 more from the round's own 750 candidates: disjoint slices of one
@@ -52,9 +53,10 @@ SCHEMA = ("species", "coordinates", "energy", "forces", "molecule")
 TARGET_FRACTION = 0.5
 
 
-def labelled_sets(transfer: Path, n_test_molecules: int) -> tuple[dict, dict, list[str], str]:
-    """chem_transfer.py's training conformers (the pool) and test conformers (molecule = index in the test list),
-    padded to one atom count, and the pool's DFT level (``app.level``)."""
+def labelled_sets(transfer: Path, n_test_molecules: int) -> tuple[dict, dict, list[str], list[str], str]:
+    """chem_transfer.py's training conformers (the pool) and test conformers (molecule = index in the list of
+    labelled test molecules), padded to one atom count; the labelled and the unlabelled test molecules (every
+    conformer failed DFT, as chem_transfer.py leaves them out); and the pool's DFT level (``app.level``)."""
     train = transfer / f"train-{POOL_LIBRARY}"
     names = [name for name, _ in library(TEST_LIBRARY)[:n_test_molecules]]
     missing = [str(p) for p in [train, *(transfer / "test" / n for n in names)] if not (p / "manifest.json").is_file()]
@@ -63,10 +65,14 @@ def labelled_sets(transfer: Path, n_test_molecules: int) -> tuple[dict, dict, li
                          f"--out {transfer} --until simulate first")
     store = ShardStore.open(train)
     pool = store.load(list(SCHEMA))
-    tests = [ShardStore.open(transfer / "test" / n).load(list(SCHEMA[:4])) for n in names]
+    stores = {n: ShardStore.open(transfer / "test" / n) for n in names}
+    labelled = [n for n in names if len(stores[n])]
+    if not labelled:
+        raise SystemExit(f"no test molecule under {transfer / 'test'} has a DFT-labelled conformer")
+    tests = [stores[n].load(list(SCHEMA[:4])) for n in labelled]
     n_atoms = max(a["species"].shape[1] for a in [pool, *tests])
-    return (pad_conformers(pool, n_atoms), stack_conformer_sets(tests, n_atoms), names,
-            store.manifest["app_config"]["level"])
+    return (pad_conformers(pool, n_atoms), stack_conformer_sets(tests, n_atoms), labelled,
+            [n for n in names if n not in labelled], store.manifest["app_config"]["level"])
 
 
 def main() -> int:
@@ -86,7 +92,7 @@ def main() -> int:
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    pool, test, names, level = labelled_sets(args.transfer, args.test_molecules)
+    pool, test, names, unlabelled, level = labelled_sets(args.transfer, args.test_molecules)
     app = ChemApp()
     cfg = ChemConfig(molecules=POOL_LIBRARY, level=level, force_weight=1.0, max_atoms=pool["species"].shape[1])
     problem = PooledProblem(app.learning_problem(cfg), pool, test, curve_metrics=METRICS, note={
@@ -111,7 +117,7 @@ def main() -> int:
                     "max_heavy_atoms": max(heavy_atoms(smiles) for _, smiles in library(POOL_LIBRARY)),
                     "level_of_theory": cfg.level_of_theory, "source": problem.settings["pool"]},
            "test": {"library": TEST_LIBRARY, "n_molecules": len(names), "molecules": names,
-                    "n_conformers": int(len(test["energy"]))},
+                    "n_conformers": int(len(test["energy"])), "unlabelled": unlabelled},
            "settings": {k: getattr(args, k) for k in ("initial", "rounds", "pool", "budget", "members", "seed",
                                                        "diversity")},
            "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "patience")},

@@ -234,7 +234,10 @@ def compute_normal_modes(
     ``method="xtb"``: GFN2-xTB minimum and finite-difference Hessian. ``"dft"``: GFN2-xTB
     pre-optimisation, then DFT at ``dft_cfg.theory`` (minimum and analytic Hessian).
     Landing on a saddle point (a mode below ``-IMAGINARY_TOLERANCE_CM1``), it steps
-    0.1 Å down that mode and re-optimises, up to ``max_restarts`` times.
+    0.1 Å down that mode and re-optimises, up to ``max_restarts`` times, each time with a
+    GFN2-xTB ``fmax`` ten times tighter. A nearly free rotor (methyl acetate's acetyl
+    methyl, a barrier of 0.03 kcal/mol in GFN2-xTB) has forces below the first ``fmax``
+    that far from its saddle, so BFGS would stop where it starts.
     """
     if method not in ("xtb", "dft"):
         raise ValueError(f"hessian method {method!r}: choose 'xtb' or 'dft'")
@@ -253,7 +256,7 @@ def compute_normal_modes(
 
     positions = np.asarray(positions, dtype=np.float64)
     for restart in range(max_restarts + 1):
-        positions = optimize_geometry(symbols, positions, xtb, XTB_FMAX_EV_PER_ANGSTROM)
+        positions = optimize_geometry(symbols, positions, xtb, XTB_FMAX_EV_PER_ANGSTROM / 10**restart)
         if method == "xtb":
             hessian = finite_difference_hessian(positions, xtb)
         else:
