@@ -127,15 +127,16 @@ def unlabelled_test_molecules(args: argparse.Namespace) -> list[dict]:
 
 
 def simulate_test(args: argparse.Namespace) -> float:
-    t0, computed = time.perf_counter(), False
+    t0, computed, stored = time.perf_counter(), False, 0
     for k, (name, smiles) in enumerate(test_molecules(args)):
+        stored += (args.out / "test" / name / "manifest.json").is_file()
         cfg = ChemConfig(molecule=f"smiles:{smiles}", level=args.level, temperature=args.temperature)
         res = run_ensemble(ChemApp(), cfg, SimulateConfig(samples=args.test_conformers, seed=1000 + k,
                                                           workers=args.workers, shard_size=args.test_conformers),
                            args.out / "test" / name, progress=False)
         print(f"test {k + 1}/{args.test_molecules} {name}: {res.n_ok} conformers", file=sys.stderr)
         computed = computed or res.shards_computed > 0
-    return stage_seconds(args, "test", time.perf_counter() - t0, computed)
+    return stage_seconds(args, "test", time.perf_counter() - t0, computed, grown=stored > 0)  # finished a stored set
 
 
 def load_test(args: argparse.Namespace, n_atoms: int) -> dict[str, np.ndarray]:
