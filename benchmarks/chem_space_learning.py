@@ -30,7 +30,7 @@ from converge.bench.artifacts import write_json
 from converge.bench.machine import describe_machine
 from converge.train.loop import TrainConfig
 from converge.validate.active import compare_strategies
-from converge.validate.curves import reach_random_final
+from converge.validate.curves import reach_random_final, summarise_seeds
 
 RESULTS = Path(__file__).parent / "results"
 METRICS = ("energy_mae_kcal_mol", "force_mae_kcal_mol_A", "relative_energy_mae_kcal_mol")
@@ -75,23 +75,10 @@ def main() -> int:
         old = json.loads(path.read_text()) if path.is_file() else {}
         written = {**out, "variants": old.get("variants", {})}
         shutil.copy(out_dir / "learning_curve.png", args.results / "chem_space_learning.png")
-    print(write_json(path, summarise_seeds(written)), file=sys.stderr)
+    print(write_json(path, summarise_seeds(written, METRICS)), file=sys.stderr)
     for metric in METRICS:
         print(metric, out[metric])
     return 0
-
-
-def summarise_seeds(result: dict) -> dict:
-    """``result`` with ``seeds``: each plain run's (the main one and variants without diversity) fraction of
-    random's calls by metric, and their mean over seeds where every seed reached random's final error."""
-    runs = [result, *result.get("variants", {}).values()]
-    plain = {r.get("seed", 0): r for r in runs if not r.get("diversity")}
-    seeds: dict = {"seeds": sorted(plain)}
-    for metric in METRICS:
-        fractions = [plain[s][metric]["fraction_of_random_calls"] for s in sorted(plain)]
-        seeds[metric] = {"fraction_of_random_calls": fractions,
-                         "mean": None if None in fractions else sum(fractions) / len(fractions)}
-    return {**result, "seeds": seeds}
 
 
 if __name__ == "__main__":

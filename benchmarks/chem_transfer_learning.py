@@ -24,6 +24,10 @@ Outputs:
 - resumes from ``--out`` round by round;
 - ``--strategy active|random`` runs one strategy alone. The two share round 0, so start random once active's
   round 0 has finished.
+- ``--variant NAME --seed S [--diversity D]`` runs the same comparison with another seed (initial set, pools,
+  members; the test set stays) or with batch diversity, in ``--out``/NAME, and adds its figures under
+  ``variants.NAME`` of the JSON, leaving the main result as it is. ``seeds`` there lists every plain run's
+  (no diversity) fraction of random's calls by seed, and their mean.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from converge.bench.machine import describe_machine
 from converge.data.store import ShardStore
 from converge.train.loop import TrainConfig
 from converge.validate.active import compare_strategies, round_dir, run_active_learning, share_initial_round
-from converge.validate.curves import plot_learning_curves, reach_random_final
+from converge.validate.curves import plot_learning_curves, reach_random_final, summarise_seeds
 from converge.validate.pooled import PooledProblem
 
 RESULTS = Path(__file__).parent / "results"
@@ -86,11 +90,20 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=750, help="candidates offered per round")
     ap.add_argument("--budget", type=int, default=750, help="labels added over all rounds")
     ap.add_argument("--members", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--diversity", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0, help="with --variant: the seed of the initial set, pools and "
+                    "members")
+    ap.add_argument("--diversity", type=float, default=0.0, help="with --variant: qbc batch diversity (a fraction of "
+                    "the pool's median distance; 0 is plain top-k)")
+    ap.add_argument("--variant", default="", help="a name: run in OUT/NAME and add the figures under variants.NAME")
     ap.add_argument("--test-molecules", type=int, default=24, help="first N of chno_5to7, as chem_transfer.py")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if not args.variant and (args.seed or args.diversity):
+        ap.error("--seed and --diversity need --variant NAME (the main result is seed 0, plain top-k)")
+    path = args.results / "chem_transfer_learning.json"
+    if args.variant and args.strategy == "both" and not path.is_file():
+        ap.error(f"{path} is missing: run without --variant first (the main result, seed 0)")
+    out_dir = args.out / args.variant if args.variant else args.out
     torch.set_num_threads(1)
     pool, test, names, unlabelled, level = labelled_sets(args.transfer, args.test_molecules)
     app = ChemApp()
@@ -102,15 +115,15 @@ def main() -> int:
                   members=args.members, n_test=len(test["energy"]), diversity=args.diversity, train_cfg=tcfg,
                   problem=problem)
     if args.strategy != "both":
-        if args.strategy == "random" and not (round_dir(args.out / "active", 0) / "metrics.json").is_file():
+        if args.strategy == "random" and not (round_dir(out_dir / "active", 0) / "metrics.json").is_file():
             raise SystemExit(f"random shares active's round 0: run --strategy active until "
-                             f"{round_dir(args.out / 'active', 0)}/metrics.json exists")
+                             f"{round_dir(out_dir / 'active', 0)}/metrics.json exists")
         if args.strategy == "random":
-            share_initial_round(args.out / "active", args.out / "random", "random")
-        run_active_learning(app, cfg, args.out / args.strategy, strategy="qbc" if args.strategy == "active"
-                            else "random", test_dir=args.out / "test", **common)
+            share_initial_round(out_dir / "active", out_dir / "random", "random")
+        run_active_learning(app, cfg, out_dir / args.strategy, strategy="qbc" if args.strategy == "active"
+                            else "random", test_dir=out_dir / "test", **common)
         return 0
-    result = compare_strategies(app, cfg, args.out, **common)
+    result = compare_strategies(app, cfg, out_dir, **common)
     curves = {label: result[label] for label in ("active", "random")}
     out = {"pool": {"library": POOL_LIBRARY, "n_conformers": int(len(pool["energy"])),
                     "n_molecules": int(len(np.unique(pool["molecule"]))),
@@ -137,8 +150,13 @@ def main() -> int:
         out["one_network_on_the_whole_pool"] = {m: transfer["network"][m] for m in METRICS}
     out["machine"] = describe_machine()
     print(json.dumps({m: out[m] for m in METRICS}, indent=1))
-    plot_learning_curves(curves, METRICS, args.results / "chem_transfer_learning.png")
-    print("written", write_json(args.results / "chem_transfer_learning.json", out), file=sys.stderr)
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    if args.variant:
+        written = {**earlier, "variants": {**earlier.get("variants", {}), args.variant: out}}
+    else:
+        written = {**out, "variants": earlier.get("variants", {})}
+        plot_learning_curves(curves, METRICS, args.results / "chem_transfer_learning.png")
+    print("written", write_json(path, summarise_seeds(written, METRICS)), file=sys.stderr)
     return 0
 
 

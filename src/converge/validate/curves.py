@@ -1,5 +1,5 @@
 """Learning curves: test error against simulator calls, where one strategy reaches another's final error,
-means over seeds, and the plots (:mod:`.active` writes them round by round)."""
+the fractions by seed, means over seeds, and the plots (:mod:`.active` writes them round by round)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,6 +37,23 @@ def reach_random_final(curves: Mapping[str, Sequence[Mapping[str, Any]]], metric
     return {"random_final": target, "active_final": curves["active"][-1][metric],
             "active_calls_to_reach_random_final": reach,
             "fraction_of_random_calls": None if reach is None else reach / calls[-1]}
+
+
+def summarise_seeds(result: Mapping[str, Any], metrics: Sequence[str]) -> dict[str, Any]:
+    """``result`` (one comparison, its own ``variants`` beside it) with ``seeds``: each plain run's fraction of
+    random's calls by metric (the main run and the variants without batch diversity; :func:`reach_random_final`'s
+    dicts under each metric), by seed, and their mean where every seed reached random's final error.
+
+    A run names its ``seed`` and ``diversity`` at its top level or under ``settings``.
+    """
+    runs = [result, *result.get("variants", {}).values()]
+    plain = {r.get("settings", r).get("seed", 0): r for r in runs if not r.get("settings", r).get("diversity")}
+    seeds: dict[str, Any] = {"seeds": sorted(plain)}
+    for metric in metrics:
+        fractions = [plain[s][metric]["fraction_of_random_calls"] for s in sorted(plain)]
+        seeds[metric] = {"fraction_of_random_calls": fractions,
+                         "mean": None if None in fractions else sum(fractions) / len(fractions)}
+    return {**result, "seeds": seeds}
 
 
 def mean_curve(curves: Sequence[Sequence[Mapping[str, Any]]], metric: str) -> tuple[list[float], list[float]]:
