@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from converge.apps.chem import ChemApp, ChemConfig
-from converge.apps.chem.evaluate import (error_report, predict, relative_energy_mae, time_dft, time_surrogate,
-                                        xtb_baseline)
+from converge.apps.chem.evaluate import (deviation_from_mean, error_report, far_from_mean, predict,
+                                         relative_energy_mae, time_dft, time_surrogate, xtb_baseline)
 from converge.apps.chem.screen import ScreenConfig, screen_file
 from converge.apps.chem.molecule_set import molecule_set, stack_conformer_sets
 from converge.apps.chem.smiles import heavy_atoms, library
@@ -46,6 +46,7 @@ ANCHORS = {"ani1x_comp6": {"relative_energy_mae_kcal_mol": 1.85, "force_mae_kcal
                            "source": "Smith et al., J. Chem. Phys. 148, 241733 (2018): ANI-1x on COMP6, "
                                      "5 million training conformers"}}
 TARGETS = {"relative_energy_mae_kcal_mol": 1.5, "force_mae_kcal_mol_A": 3.0}
+FAR_KCAL_MOL = 50.0  # a conformer this far from its molecule's mean energy is no 300 K conformer
 
 
 def stage_seconds(args: argparse.Namespace, stage: str, seconds: float, computed: bool, grown: bool = False) -> float:
@@ -152,7 +153,9 @@ def per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names) -> list[dict]:
         sel = arrays["molecule"] == k
         real = arrays["species"][sel] > 0
         args = (arrays["energy"][sel], arrays["molecule"][sel])
+        relative = hartree_to_kcal_mol(arrays["energy"][sel] - arrays["energy"][sel].mean())
         rows.append({"molecule": name, "n_conformers": int(sel.sum()), "n_atoms": int(real[0].sum()),
+                     "dft_relative_energy_range_kcal_mol": [float(relative.min()), float(relative.max())],
                      "network": {"relative_energy_mae_kcal_mol": relative_energy_mae(e_pred[sel], *args),
                                  "force_mae_kcal_mol_A": error_report(e_pred[sel], f_pred[sel], arrays["energy"][sel],
                                                                       arrays["forces"][sel], real)["force_mae_kcal_mol_A"]},
@@ -160,6 +163,23 @@ def per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names) -> list[dict]:
                                   "force_mae_kcal_mol_A": error_report(e_xtb[sel], f_xtb[sel], arrays["energy"][sel],
                                                                        arrays["forces"][sel], real)["force_mae_kcal_mol_A"]}})
     return rows
+
+
+def split_far_from_mean(arrays, names, predictions: dict[str, tuple[np.ndarray, np.ndarray]],
+                        threshold: float = FAR_KCAL_MOL) -> dict:
+    """The errors of each method (name -> energies, forces) on the molecules with a conformer more than
+    ``threshold`` kcal/mol from their mean (:func:`far_from_mean`) and on the others: how much of the error
+    the sampler's far conformers carry."""
+    far = far_from_mean(arrays["energy"], arrays["molecule"], threshold)
+    beyond = deviation_from_mean(arrays["energy"], arrays["molecule"]) > threshold
+    out = {"threshold_kcal_mol": threshold, "n_conformers_beyond": int(beyond.sum()),
+           "molecules": sorted({names[k] for k in arrays["molecule"][far]}, key=names.index)}
+    for label, sel in (("those_molecules", far), ("the_others", ~far)):
+        part = {key: value[sel] for key, value in arrays.items()}
+        out[label] = {"n_molecules": int(len(np.unique(part["molecule"]))),
+                      **{method: test_errors(part, e_pred[sel], f_pred[sel])
+                         for method, (e_pred, f_pred) in predictions.items()}}
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -392,6 +412,7 @@ def main() -> int:
                      "note": "absolute energies after per-element offsets fitted on the test labels"},
         "speed": speed(cfg, load_model(app, run)[0], arrays, args.n_dft_timing),  # as trained (float32)
         "screening": screening(args, run),
+        "far_from_mean": split_far_from_mean(arrays, names, {"network": (e_pred, f_pred), "gfn2_xtb": (e_xtb, f_xtb)}),
         "per_molecule": rows, "anchors": ANCHORS, "targets": TARGETS, "machine": describe_machine(),
     }
     result_json["level_of_theory"] = cfg.level_of_theory

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from converge.apps.chem import ChemApp, ChemConfig
-from converge.apps.chem.evaluate import error_report, relative_energy_mae
+from converge.apps.chem.evaluate import error_report, far_from_mean, relative_energy_mae
 from converge.apps.chem.model import ANIPotential, EnergiesForces
 from converge.apps.chem.molecule_set import pad_atoms, pad_conformers, real_atoms
 from converge.units import hartree_to_kcal_mol
@@ -94,6 +94,16 @@ def test_relative_energy_error_ignores_a_per_molecule_offset_and_catches_a_wrong
     swapped[[3, 4]] = swapped[[4, 3]]  # the two conformers of molecule 1 in the wrong order: 0.0015 Ha each
     assert relative_energy_mae(swapped, ref, molecule) == pytest.approx(
         hartree_to_kcal_mol(0.003) * 2 / 5, rel=1e-9)
+
+
+def test_far_from_mean_marks_every_conformer_of_a_molecule_with_one_far_conformer():
+    kcal = 1.0 / hartree_to_kcal_mol(1.0)  # hartree per kcal/mol
+    molecule = np.array([2, 2, 2, 7, 7, 7, 7])  # labels need not be 0..n-1
+    ref = np.array([-1.0, -1.0 + 10 * kcal, -1.0 - 10 * kcal,  # within 10 kcal/mol of its mean
+                    -2.0, -2.0, -2.0, -2.0 + 120 * kcal])  # one conformer 90 kcal/mol above the mean
+    assert far_from_mean(ref, molecule, 50.0).tolist() == [False] * 3 + [True] * 4
+    assert not far_from_mean(ref, molecule, 95.0).any()  # 90 is not beyond 95
+    assert far_from_mean(ref, molecule, 5.0).all()
 
 
 def test_pad_atoms_refuses_a_molecule_too_large():

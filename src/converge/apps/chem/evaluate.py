@@ -83,6 +83,27 @@ def relative_energy_mae(e_pred: np.ndarray, e_ref: np.ndarray, molecule: np.ndar
     return float(np.abs(hartree_to_kcal_mol(err - mean_err[groups])).mean())
 
 
+def far_from_mean(e_ref: np.ndarray, molecule: np.ndarray, threshold_kcal_mol: float) -> np.ndarray:
+    """Per conformer: does its molecule have any reference energy more than ``threshold_kcal_mol`` from the
+    molecule's mean? (bool, same length as ``e_ref``; energies hartree.)
+
+    Normal-mode sampling displaces atoms along straight lines. On a nearly free rotor, whose force
+    constant sits at the sampler's floor, that can land a "300 K" conformer 100-200 kcal/mol up. This
+    marks the molecules such conformers belong to, so that errors can be split by them.
+    """
+    groups = np.unique(molecule, return_inverse=True)[1]
+    far = np.zeros(groups.max() + 1, dtype=bool)
+    np.logical_or.at(far, groups, deviation_from_mean(e_ref, molecule) > threshold_kcal_mol)
+    return far[groups]
+
+
+def deviation_from_mean(e_ref: np.ndarray, molecule: np.ndarray) -> np.ndarray:
+    """|E - <E>_m| in kcal/mol per conformer, ``m`` its molecule (energies hartree)."""
+    e = hartree_to_kcal_mol(np.asarray(e_ref, dtype=np.float64))
+    groups = np.unique(molecule, return_inverse=True)[1]
+    return np.abs(e - (np.bincount(groups, weights=e) / np.bincount(groups))[groups])
+
+
 def xtb_baseline(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """GFN2-xTB energies (N,) hartree, shifted by per-element offsets fitted to the DFT labels of this set (least
     squares on the element counts: generous to xTB; one molecule: its mean offset), and forces (N, A, 3) hartree/Å."""
