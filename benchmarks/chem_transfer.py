@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from converge.apps.chem import ChemApp, ChemConfig
+from converge.apps.chem.aev import PRESETS
 from converge.apps.chem.evaluate import (deviation_from_mean, error_report, far_from_mean, predict,
                                          relative_energy_mae, time_dft, time_surrogate, xtb_baseline)
 from converge.apps.chem.screen import ScreenConfig, screen_file
@@ -328,6 +329,8 @@ def main() -> int:
     ap.add_argument("--force-weight", type=float, default=1.0,
                     help="app.force_weight of the training (the app's default, 0.1, is for one molecule; over "
                          "chemical space 1.0 did better: see the fw variants in chem_transfer.json)")
+    ap.add_argument("--aev-preset", default=ChemConfig.aev_preset, choices=PRESETS,
+                    help="app.aev_preset of the training (ani1x_r4: the radial cutoff at 4.0 Å; aev.py)")
     ap.add_argument("--seed", type=int, default=0, help="training seed (initial weights, batches, split)")
     ap.add_argument("--members", default="", help="with --variant: no training; the mean prediction of these "
                                                   "finished runs (comma-separated folder names under --out)")
@@ -339,6 +342,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.members and not args.variant:
         ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
+    if args.aev_preset != ChemConfig.aev_preset and (not args.variant or args.members):
+        ap.error("--aev-preset trains a variant: give --variant NAME (a name of its own, not an earlier run's)")
     if args.hot and (not args.variant or args.members):
         ap.error("--hot trains a variant on more data: give --variant NAME (a name of its own, not an earlier run's)")
     torch.set_num_threads(1)
@@ -351,7 +356,7 @@ def main() -> int:
     stores = training_stores(args)
     n_train = sum(map(len, stores))
     cfg = ChemConfig(molecules=args.library, level=args.level, temperature=args.temperature,
-                     force_weight=args.force_weight)
+                     force_weight=args.force_weight, aev_preset=args.aev_preset)
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
     overrides["seed"] = args.seed
     tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
@@ -372,7 +377,7 @@ def main() -> int:
     if args.variant:  # the same data and test set, another training: its accuracy beside the main result
         names, arrays, e_pred, f_pred = test_predictions(args, app, run)
         entry = {"variant": args.variant, "library": args.library, "force_weight": cfg.force_weight,
-                 "hidden": list(cfg.hidden),
+                 "hidden": list(cfg.hidden), "aev_preset": cfg.aev_preset,
                  "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")},
                  "n_conformers": n_train, "hot": hot_entry(args), "epochs_run": len(history),
                  "train_wall_s": train_s,

@@ -95,6 +95,19 @@ def test_aev_preset_constants_are_the_ani1x_paper_values():
     assert computer.radial_len == 4 * 16 and computer.angular_len == 10 * 4 * 8 and computer.out_dim == 384
 
 
+def test_aev_preset_ani1x_r4_cuts_only_the_radial_part_at_4_angstrom():
+    short, long = AtomicEnvironment("ani1x_r4").double(), AtomicEnvironment("ani1x").double()
+    radial = short.computer.radial
+    assert (radial.cutoff, short.computer.angular.cutoff, short.out_dim) == (4.0, 3.5, 384)
+    np.testing.assert_allclose(radial.shifts.numpy(), 0.9 + np.arange(16) * (4.0 - 0.9) / 16, rtol=1e-6)
+    index = ElementIndex()(torch.tensor([[6, 6]]))
+    pair = torch.tensor([[[0.0, 0.0, 0.0], [4.5, 0.0, 0.0]]], dtype=F64)  # inside 5.2 Å, outside 4.0 Å
+    assert torch.count_nonzero(long(index, pair)) > 0
+    assert torch.count_nonzero(short(index, pair)) == 0
+    pair[0, 1, 0] = 3.0  # inside both: the neighbour is seen, by both
+    assert torch.count_nonzero(short(index, pair)[0, 0, :64]) > 0
+
+
 def naive_aev(index: torch.Tensor, coords: torch.Tensor, computer) -> torch.Tensor:
     """Loop over neighbours and neighbour pairs of each atom, using the documented terms."""
     rad, ang = computer.radial, computer.angular
@@ -323,7 +336,7 @@ def test_errors_say_how_to_fix_the_input(model):
         model(species, coords.float())
     with pytest.raises(ValueError, match=r"coordinates \(B, A, 3\)"):
         model(species, coords[0])
-    with pytest.raises(ValueError, match="aev_preset='ani3x': choose one of ani1x, ani2x"):
+    with pytest.raises(ValueError, match="aev_preset='ani3x': choose one of ani1x, ani2x, ani1x_r4"):
         ANIPotential(aev_preset="ani3x")
     with pytest.raises(ValueError, match=r"atomic numbers \[9\] are not among"):
         fit_self_energies(np.array([[9, 1]]), np.array([-100.0]))

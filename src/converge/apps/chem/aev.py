@@ -33,6 +33,9 @@ R_s,m = 0.9 + m (3.5 - 0.9)/4 (4 of them); 8 angle sections theta_s,n =
 pi/16 + n pi/8. Length for 4 elements: 4*16 + 10*(4*8) = 64 + 320 = 384.
 ``ani2x`` (Devereux et al. 2020) uses R_cr = 5.1, eta_R = 19.7, eta_A = 12.5,
 zeta = 14.1, 8 angular shifts from 0.8 and 4 sections: 4*16 + 10*32 = 384 too.
+``ani1x_r4`` is ANI-1x with R_cr = 4.0 (16 radial shifts over 0.9-4.0 Å, the rest
+unchanged, length 384): a potential trained on molecules of at most 4 heavy atoms
+rarely sees neighbours between 4 and 5.2 Å, and larger molecules have many there.
 """
 from __future__ import annotations
 
@@ -50,8 +53,9 @@ with warnings.catch_warnings():
     from torchani.aev import AEVComputer
 
 ELEMENTS: tuple[int, ...] = (1, 6, 7, 8)  # H, C, N, O: the CHNO set of ANI-1x
-PRESETS: tuple[str, ...] = ("ani1x", "ani2x")
+PRESETS: tuple[str, ...] = ("ani1x", "ani2x", "ani1x_r4")
 MAX_ATOMIC_NUMBER = 118
+RADIAL_CUTOFF_R4 = 4.0  # Å, the radial cutoff of the ani1x_r4 preset (ANI-1x: 5.2)
 
 
 def cosine_cutoff(distances: Tensor, cutoff: float) -> Tensor:
@@ -88,6 +92,8 @@ def aev_computer(preset: str = "ani1x", num_species: int = len(ELEMENTS)) -> AEV
         return AEVComputer.like_1x(num_species=num_species, strategy="pyaev")
     if preset == "ani2x":
         return AEVComputer.like_2x(num_species=num_species, strategy="pyaev")
+    if preset == "ani1x_r4":
+        return AEVComputer.like_1x(num_species=num_species, strategy="pyaev", radial_cutoff=RADIAL_CUTOFF_R4)
     raise ValueError(f"aev_preset={preset!r}: choose one of {', '.join(PRESETS)}")
 
 
