@@ -32,6 +32,7 @@ from converge.apps.chem.evaluate import (deviation_from_mean, error_report, far_
                                          relative_energy_mae, time_dft, time_surrogate, xtb_baseline)
 from converge.apps.chem.screen import ScreenConfig, screen_file
 from converge.apps.chem.molecule_set import molecule_set, stack_conformer_sets
+from converge.apps.chem.ood import atoms_outside_neighbour_counts, fit_envelope
 from converge.apps.chem.smiles import heavy_atoms, library
 from converge.bench.artifacts import pyplot, save_figure, write_json
 from converge.bench.machine import describe_machine
@@ -180,6 +181,36 @@ def split_far_from_mean(arrays, names, predictions: dict[str, tuple[np.ndarray, 
         out[label] = {"n_molecules": int(len(np.unique(part["molecule"]))),
                       **{method: test_errors(part, e_pred[sel], f_pred[sel])
                          for method, (e_pred, f_pred) in predictions.items()}}
+    return out
+
+
+def network_per_molecule(arrays: dict, e_pred: np.ndarray, f_pred: np.ndarray, names: list[str]) -> dict:
+    """Each test molecule's relative-energy and force MAE (a variant's rows beside the main run's)."""
+    out = {}
+    for k, name in enumerate(names):
+        sel = arrays["molecule"] == k
+        errors = test_errors({key: value[sel] for key, value in arrays.items()}, e_pred[sel], f_pred[sel])
+        out[name] = {key: errors[key] for key in TARGETS}
+    return out
+
+
+def neighbour_coverage(stores: list[ShardStore], arrays: dict, names: list[str],
+                       cutoffs: tuple[float, ...] = (3.5, 4.0, 5.2)) -> dict:
+    """The share of test atoms (overall and per molecule) with more or fewer neighbours within each cutoff (Å) than
+    any training atom of their element had (:func:`fit_envelope`): AEV features outside the training range. 3.5 Å
+    is ANI-1x's angular cutoff, 5.2 Å its radial one, 4.0 Å the ``ani1x_r4`` preset's."""
+    parts = [store.load(["species", "coordinates"]) for store in stores]
+    species = np.concatenate([p["species"] for p in parts])
+    coordinates = np.concatenate([p["coordinates"] for p in parts])
+    real = arrays["species"] > 0
+    out = {"cutoffs_A": list(cutoffs), "share_of_test_atoms_outside": {}, "per_molecule": {}}
+    for cutoff in cutoffs:
+        outside = atoms_outside_neighbour_counts(fit_envelope(species, coordinates, cutoff=cutoff),
+                                                 arrays["species"], arrays["coordinates"])
+        out["share_of_test_atoms_outside"][f"{cutoff:.1f}"] = float(outside[real].mean())
+        for k, name in enumerate(names):
+            sel = arrays["molecule"] == k
+            out["per_molecule"].setdefault(name, {})[f"{cutoff:.1f}"] = float(outside[sel][real[sel]].mean())
     return out
 
 
@@ -381,7 +412,9 @@ def main() -> int:
                  "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")},
                  "n_conformers": n_train, "hot": hot_entry(args), "epochs_run": len(history),
                  "train_wall_s": train_s,
-                 **test_errors(arrays, e_pred, f_pred)}
+                 **test_errors(arrays, e_pred, f_pred),
+                 "per_molecule": network_per_molecule(arrays, e_pred, f_pred, names),
+                 "neighbour_coverage": neighbour_coverage(stores, arrays, names)}
         return write_variant(args, entry)
     if args.only_screening:
         path = args.results / "chem_transfer.json"
@@ -417,6 +450,7 @@ def main() -> int:
                      "note": "absolute energies after per-element offsets fitted on the test labels"},
         "speed": speed(cfg, load_model(app, run)[0], arrays, args.n_dft_timing),  # as trained (float32)
         "screening": screening(args, run),
+        "neighbour_coverage": neighbour_coverage(stores, arrays, names),
         "far_from_mean": split_far_from_mean(arrays, names, {"network": (e_pred, f_pred), "gfn2_xtb": (e_xtb, f_xtb)}),
         "per_molecule": rows, "anchors": ANCHORS, "targets": TARGETS, "machine": describe_machine(),
     }

@@ -104,3 +104,20 @@ def test_the_batch_test_agrees_with_the_one_by_one_check(training, envelope):
     assert inside.tolist() == [r == [] for r in one_by_one]
     assert not inside[1:6].any() and inside[0] and 0 < inside[7:].sum() < 43  # both kinds are in the batch
     assert check_batch(envelope, z, xyz) == one_by_one
+
+
+def test_atoms_outside_neighbour_counts_names_the_crowded_atoms_and_ignores_padding(training, envelope):
+    from converge.apps.chem.ood import atoms_outside_neighbour_counts
+
+    species, coordinates = training
+    assert not atoms_outside_neighbour_counts(envelope, species, coordinates).any()
+    ethanol = get_molecule("ethanol")  # every methanol atom had 5 neighbours within 5.2 Å; ethanol's have 8
+    z = np.r_[ethanol.atomic_numbers, 0][None]  # one padding atom
+    xyz = np.r_[ethanol.positions, np.zeros((1, 3))][None]
+    outside = atoms_outside_neighbour_counts(envelope, z, xyz)
+    assert outside.shape == (1, ethanol.n_atoms + 1)
+    assert outside[0, :-1].all() and not outside[0, -1]
+    bonds = fit_envelope(METHANOL.atomic_numbers[None], METHANOL.positions[None], cutoff=1.2)  # X-H bonds only
+    assert bonds.neighbour_count["6"] == (3, 3)
+    bonded = atoms_outside_neighbour_counts(bonds, z, xyz)[0, :-1]
+    assert bonded.tolist() == [False, True] + [False] * 7  # only the CH2 carbon has 2 hydrogens, not 3

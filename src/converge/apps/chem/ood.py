@@ -210,15 +210,31 @@ def inside_envelope(envelope: TrainingEnvelope, species: np.ndarray, coordinates
             closest[i, j] = envelope.cutoff if shortest is None else shortest - envelope.margin
     ok &= ~(d < closest[k[:, :, None], k[:, None, :]]).any(axis=(1, 2))
     farthest = np.full(n, np.inf)
-    low, high = np.zeros(n), np.full(n, np.inf)
     for i, element in enumerate(elements):
         limit = envelope.nearest_max.get(str(element))
         farthest[i] = np.inf if limit is None else limit + envelope.margin
-        low[i], high[i] = envelope.neighbour_count[str(element)]
-    nearest, counts = d.min(axis=-1), (d < envelope.cutoff).sum(axis=-1)  # (B, A)
+    nearest = d.min(axis=-1)  # (B, A)
     stretched = np.isfinite(nearest) & (nearest > farthest[k])
-    crowded = real & ((counts < low[k]) | (counts > high[k]))
-    return ok & ~(stretched | crowded).any(axis=1)
+    return ok & ~(stretched | _counts_outside(envelope, species, d)).any(axis=1)
+
+
+def _counts_outside(envelope: TrainingEnvelope, species: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """(B, A) bool: atoms of a trained element whose neighbour count within the envelope's cutoff (``d`` (B, A, A)
+    distances, inf for padding) lies outside the range that element had in training."""
+    counts = (d < envelope.cutoff).sum(axis=-1)  # (B, A)
+    outside = np.zeros(species.shape, dtype=bool)
+    for element, (low, high) in envelope.neighbour_count.items():
+        outside |= (species == int(element)) & ((counts < low) | (counts > high))
+    return outside
+
+
+def atoms_outside_neighbour_counts(envelope: TrainingEnvelope, species: np.ndarray,
+                                   coordinates: np.ndarray) -> np.ndarray:
+    """(B, A) bool: which atoms of (B, A) species and (B, A, 3) coordinates Å have more (or fewer) neighbours within
+    the envelope's cutoff than any atom of their element in training: features the network extrapolates to."""
+    species, coordinates = _check_shapes(species, coordinates)
+    d, _ = _distances(species, coordinates)
+    return _counts_outside(envelope, species, d)
 
 
 def check_batch(envelope: TrainingEnvelope, species: np.ndarray, coordinates: np.ndarray) -> list[list[str]]:
