@@ -95,6 +95,14 @@ def test_aev_preset_constants_are_the_ani1x_paper_values():
     assert computer.radial_len == 4 * 16 and computer.angular_len == 10 * 4 * 8 and computer.out_dim == 384
 
 
+def test_an_unknown_aev_preset_in_the_app_settings_is_refused_with_the_choices():
+    from converge.apps.chem import ChemConfig
+    from converge.config import ConfigError
+
+    with pytest.raises(ConfigError, match="app.aev_preset='ani1ccx': choose one of ani1x, ani2x, ani1x_r4"):
+        ChemConfig(aev_preset="ani1ccx")
+
+
 def test_aev_preset_ani1x_r4_cuts_only_the_radial_part_at_4_angstrom():
     short, long = AtomicEnvironment("ani1x_r4").double(), AtomicEnvironment("ani1x").double()
     radial = short.computer.radial

@@ -46,6 +46,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from .config import AEV_PRESETS as PRESETS
+
 with warnings.catch_warnings():
     # torchani warns on import that its optional CUDA extensions (cuAEV) are absent;
     # the pure-PyTorch strategy used here needs none of them.
@@ -53,7 +55,6 @@ with warnings.catch_warnings():
     from torchani.aev import AEVComputer
 
 ELEMENTS: tuple[int, ...] = (1, 6, 7, 8)  # H, C, N, O: the CHNO set of ANI-1x
-PRESETS: tuple[str, ...] = ("ani1x", "ani2x", "ani1x_r4")
 MAX_ATOMIC_NUMBER = 118
 RADIAL_CUTOFF_R4 = 4.0  # Å, the radial cutoff of the ani1x_r4 preset (ANI-1x: 5.2)
 

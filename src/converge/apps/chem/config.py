@@ -7,6 +7,7 @@ from ...config import ConfigError
 
 LEVELS = ("fast", "ani", "custom")
 HESSIAN_METHODS = ("xtb", "dft")
+AEV_PRESETS = ("ani1x", "ani2x", "ani1x_r4")  # the constants of each: aev.py
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class ChemConfig:
             raise ConfigError(f"app.hidden={self.hidden}: give positive layer widths, e.g. [160, 128, 96]")
         if self.max_atoms < 0:
             raise ConfigError(f"app.max_atoms={self.max_atoms}: give a number of atoms >= 0 (0: the largest molecule)")
+        if self.aev_preset not in AEV_PRESETS:
+            raise ConfigError(f"app.aev_preset={self.aev_preset!r}: choose one of {', '.join(AEV_PRESETS)}")
         if self.force_weight < 0:
             raise ConfigError(f"app.force_weight={self.force_weight}: must be >= 0")
 
