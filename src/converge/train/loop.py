@@ -299,6 +299,8 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
                 bad_epochs += 1
             record["seconds"] = time.perf_counter() - t_epoch
             history.append(record)
+            if ranks.main:  # the line before the checkpoint: a kill between them leaves a later line, which the
+                _log_epoch(run_dir, writer, record)  # resume drops, never a checkpoint with its line missing
             meta = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
                     "epoch": epoch, "best_value": best_value, "best_epoch": best_epoch,
                     "bad_epochs": bad_epochs, "samples_seen": samples_seen, "config": config}
@@ -318,8 +320,6 @@ def _train(app: App, app_cfg: Any, cfg: TrainConfig, arrays: Mapping[str, np.nda
                         best_payload = None
                     save_checkpoint(run_dir / "last.pt",
                                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta})
-            if ranks.main:
-                _log_epoch(run_dir, writer, record)
             if bar:
                 bar.update(task, info=f"loss {record['train_loss']:.4f}  {app.monitor.name} {value:.4f}"
                            + ("  *best*" if improved else ""))
