@@ -149,21 +149,26 @@ def load_test(args: argparse.Namespace, n_atoms: int) -> dict[str, np.ndarray]:
                                  for name, _ in labelled_test_molecules(args)], n_atoms)
 
 
+def molecule_errors(arrays: dict, e_pred: np.ndarray, f_pred: np.ndarray, names: list[str]) -> dict:
+    """Each test molecule's relative-energy and force MAE under one method's energies and forces."""
+    out = {}
+    for k, name in enumerate(names):
+        sel = arrays["molecule"] == k
+        errors = test_errors({key: value[sel] for key, value in arrays.items()}, e_pred[sel], f_pred[sel])
+        out[name] = {key: errors[key] for key in TARGETS}
+    return out
+
+
 def per_molecule(arrays, e_pred, f_pred, e_xtb, f_xtb, names) -> list[dict]:
+    network, xtb = molecule_errors(arrays, e_pred, f_pred, names), molecule_errors(arrays, e_xtb, f_xtb, names)
     rows = []
     for k, name in enumerate(names):
         sel = arrays["molecule"] == k
-        real = arrays["species"][sel] > 0
-        args = (arrays["energy"][sel], arrays["molecule"][sel])
         relative = hartree_to_kcal_mol(arrays["energy"][sel] - arrays["energy"][sel].mean())
-        rows.append({"molecule": name, "n_conformers": int(sel.sum()), "n_atoms": int(real[0].sum()),
+        n_atoms = int((arrays["species"][sel][0] > 0).sum())
+        rows.append({"molecule": name, "n_conformers": int(sel.sum()), "n_atoms": n_atoms,
                      "dft_relative_energy_range_kcal_mol": [float(relative.min()), float(relative.max())],
-                     "network": {"relative_energy_mae_kcal_mol": relative_energy_mae(e_pred[sel], *args),
-                                 "force_mae_kcal_mol_A": error_report(e_pred[sel], f_pred[sel], arrays["energy"][sel],
-                                                                      arrays["forces"][sel], real)["force_mae_kcal_mol_A"]},
-                     "gfn2_xtb": {"relative_energy_mae_kcal_mol": relative_energy_mae(e_xtb[sel], *args),
-                                  "force_mae_kcal_mol_A": error_report(e_xtb[sel], f_xtb[sel], arrays["energy"][sel],
-                                                                       arrays["forces"][sel], real)["force_mae_kcal_mol_A"]}})
+                     "network": network[name], "gfn2_xtb": xtb[name]})
     return rows
 
 
@@ -181,16 +186,6 @@ def split_far_from_mean(arrays, names, predictions: dict[str, tuple[np.ndarray, 
         out[label] = {"n_molecules": int(len(np.unique(part["molecule"]))),
                       **{method: test_errors(part, e_pred[sel], f_pred[sel])
                          for method, (e_pred, f_pred) in predictions.items()}}
-    return out
-
-
-def network_per_molecule(arrays: dict, e_pred: np.ndarray, f_pred: np.ndarray, names: list[str]) -> dict:
-    """Each test molecule's relative-energy and force MAE (a variant's rows beside the main run's)."""
-    out = {}
-    for k, name in enumerate(names):
-        sel = arrays["molecule"] == k
-        errors = test_errors({key: value[sel] for key, value in arrays.items()}, e_pred[sel], f_pred[sel])
-        out[name] = {key: errors[key] for key in TARGETS}
     return out
 
 
@@ -413,7 +408,7 @@ def main() -> int:
                  "n_conformers": n_train, "hot": hot_entry(args), "epochs_run": len(history),
                  "train_wall_s": train_s,
                  **test_errors(arrays, e_pred, f_pred),
-                 "per_molecule": network_per_molecule(arrays, e_pred, f_pred, names),
+                 "per_molecule": molecule_errors(arrays, e_pred, f_pred, names),
                  "neighbour_coverage": neighbour_coverage(stores, arrays, names)}
         return write_variant(args, entry)
     if args.only_screening:
