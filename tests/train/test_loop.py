@@ -87,6 +87,32 @@ def test_sparse_checkpoints_resume_from_the_last_write_and_match_every_epoch_che
         small(checkpoint_every=0)
 
 
+@pytest.mark.parametrize("dies_in", ["_log_epoch", "save_checkpoint"])
+def test_a_kill_at_either_write_of_an_epoch_resumes_with_every_epoch_logged_once(arrays, tmp_path, monkeypatch,
+                                                                                  dies_in):
+    """Epoch 1's metrics line and its checkpoint are two writes: a kill at either one (before its write) must
+    resume to a metrics.jsonl of exactly [0, 1, 2]. Writing the checkpoint first lost epoch 1's line."""
+    import converge.train.loop as loop
+
+    real = getattr(loop, dies_in)
+
+    def dying(*a, **kw):
+        record = a[-1]  # _log_epoch(run_dir, writer, record) / save_checkpoint(path, payload)
+        if record.get("epoch") == 1 and not str(a[0]).endswith("best.pt"):
+            raise KeyboardInterrupt(f"killed in {dies_in} of epoch 1")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, dies_in, dying)
+    with pytest.raises(KeyboardInterrupt):
+        train(GWApp(), CFG, small(), arrays, tmp_path, progress=False)
+    monkeypatch.setattr(loop, dies_in, real)
+    assert load_checkpoint(tmp_path / "last.pt")["epoch"] == 0  # epoch 1's checkpoint never landed
+    resumed = train(GWApp(), CFG, small(), arrays, tmp_path, resume=True, progress=False)
+    assert resumed.epochs_run == 2
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["epoch"] for x in lines] == [0, 1, 2]
+
+
 def test_training_learns_loud_signals(arrays, tmp_path):
     cfg = GWConfig(channels=(8, 8, 16), hidden=16, snr_min=15.0, snr_max=30.0, curriculum_snr=15.0)
     res = train(GWApp(), cfg, small(epochs=4, lr=3e-3), arrays, tmp_path, progress=False)
