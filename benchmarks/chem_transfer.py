@@ -298,7 +298,8 @@ def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     sizes = {m["n_conformers"] for m in members}
     return write_variant(args, {"variant": args.variant, "library": args.library,
                                 "n_conformers": sizes.pop() if len(sizes) == 1 else sorted(sizes), "members": members,
-                                **test_errors(arrays, e_pred, f_pred)})
+                                **test_errors(arrays, e_pred, f_pred),
+                                "gfn2_xtb": test_errors(arrays, *xtb_baseline(arrays))})  # this test set's, side by side
 
 
 def trained_conformers(run: Path) -> int:
