@@ -285,7 +285,8 @@ def write_variant(args: argparse.Namespace, entry: dict) -> int:
 
 def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     """The committee of ``runs`` (finished trainings on the same test set): its mean energies and forces there."""
-    unfinished = [str(r) for r in runs if finished_history(r, 1) is None]
+    unfinished = [str(r) for r in runs if not (r / "config.json").is_file()
+                  or finished_history(r, json.loads((r / "config.json").read_text())["train"]["epochs"]) is None]
     if len(runs) < 2 or unfinished:
         why = f"not finished: {', '.join(unfinished)}" if unfinished else "one given"
         raise SystemExit(f"--members: give two or more finished runs ({why})")
