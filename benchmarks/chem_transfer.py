@@ -285,8 +285,8 @@ def write_variant(args: argparse.Namespace, entry: dict) -> int:
 
 def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     """The committee of ``runs`` (finished trainings on the same test set): its mean energies and forces there."""
-    unfinished = [str(r) for r in runs if not (r / "config.json").is_file()
-                  or finished_history(r, json.loads((r / "config.json").read_text())["train"]["epochs"]) is None]
+    configs = {r: json.loads((r / "config.json").read_text()) if (r / "config.json").is_file() else None for r in runs}
+    unfinished = [str(r) for r, c in configs.items() if c is None or finished_history(r, c["train"]["epochs"]) is None]
     if len(runs) < 2 or unfinished:
         why = f"not finished: {', '.join(unfinished)}" if unfinished else "one given"
         raise SystemExit(f"--members: give two or more finished runs ({why})")
@@ -294,20 +294,15 @@ def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     predictions = [run_predictions(app, run, arrays) for run in runs]
     e_pred = np.mean([e for e, _ in predictions], axis=0)
     f_pred = np.mean([f for _, f in predictions], axis=0)
-    members = [{"run": run.name, "n_conformers": trained_conformers(run), **test_errors(arrays, e, f)}
+    members = [{"run": run.name, "n_conformers": configs[run]["n_train_samples"] + configs[run]["n_val_samples"],
+                **test_errors(arrays, e, f)}
                for run, (e, f) in zip(runs, predictions)]
-    sizes = {m["n_conformers"] for m in members}
+    sizes = {m["n_conformers"] for m in members}  # each member's own data: the command line's --hot is not theirs
     return write_variant(args, {"variant": args.variant, "library": args.library,
                                 "n_conformers": sizes.pop() if len(sizes) == 1 else sorted(sizes), "members": members,
                                 **test_errors(arrays, e_pred, f_pred),
                                 "gfn2_xtb": test_errors(arrays, *xtb_baseline(arrays))})  # this test set's, side by side
 
-
-def trained_conformers(run: Path) -> int:
-    """The conformers ``run`` trained and validated on, as its config.json records them (the committee's members
-    may come from different data: the command line's ``--hot`` is not theirs)."""
-    config = json.loads((run / "config.json").read_text())
-    return config["n_train_samples"] + config["n_val_samples"]
 
 
 def screen_methods(args: argparse.Namespace, run: Path, n_molecules: int, conformers: int, methods, tag: str) -> dict:
