@@ -8,12 +8,18 @@ molecules with 1-4 heavy atoms: ``chno_1to4`` and the conjugated chains and smal
 lacks, ``chno_1to4_conj``; ``--library chno_1to4`` leaves those out), DFT energies and forces
 at the ``fast`` level. Test set: ``--test-conformers`` conformers of each of the first
 ``--test-molecules`` molecules of ``chno_5to7`` (5-7 heavy atoms, none in training), drawn the
-same way and labelled at the same level. The potential (ANI-1x AEVs and element networks,
-self-energies fitted over all training molecules) is trained with the CLI's defaults but
-``app.force_weight=1.0`` (``--force-weight``), and judged on the unseen molecules: conformer
-energies relative to each molecule's mean, and forces, beside GFN2-xTB (its per-element offsets
-fitted on the test labels: generous to it). Every stage resumes; a larger ``--train`` grows the
-training set. Writes ``benchmarks/results/chem_transfer.json`` and ``chem_transfer.png``.
+same way and labelled at the same level; ``--hot`` more training conformers are drawn at
+``--hot-temperature`` (600 K). The potential is a committee of ``--committee`` networks (ANI-1x
+element networks on AEVs with the radial cutoff at 4.0 A, ``--aev-preset ani1x_r4``; self-energies
+fitted over all training molecules), each trained with the CLI's defaults but
+``app.force_weight=1.0`` (``--force-weight``) and its own seed, and judged by its mean on the
+unseen molecules: conformer energies relative to each molecule's mean, and forces, beside GFN2-xTB
+(its per-element offsets fitted on the test labels: generous to it). Every stage resumes; a larger
+``--train`` grows the training set. Writes ``benchmarks/results/chem_transfer.json`` and
+``chem_transfer.png``.
+
+The committee's members are independent: ``--member I`` trains member I alone and stops, so two
+processes can train members side by side; the plain command then finds them finished.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from converge.bench.machine import describe_machine
 from converge.data.store import ShardStore
 from converge.simulate.runner import SimulateConfig, run_ensemble
 from converge.train.loop import TrainConfig, load_model, train
+from converge.validate.ensemble import ENSEMBLE_FILE, member_dir, train_ensemble, train_member
 from converge.units import hartree_to_kcal_mol
 
 RESULTS = Path(__file__).parent / "results"
@@ -48,6 +55,7 @@ ANCHORS = {"ani1x_comp6": {"relative_energy_mae_kcal_mol": 1.85, "force_mae_kcal
                            "source": "Smith et al., J. Chem. Phys. 148, 241733 (2018): ANI-1x on COMP6, "
                                      "5 million training conformers"}}
 TARGETS = {"relative_energy_mae_kcal_mol": 1.5, "force_mae_kcal_mol_A": 3.0}
+MAIN = {"hot": 1000, "aev_preset": "ani1x_r4", "committee": 3}  # the main result's training; others are variants
 FAR_KCAL_MOL = 50.0  # a conformer this far from its molecule's mean energy is no 300 K conformer
 
 
@@ -182,6 +190,9 @@ def split_far_from_mean(arrays, names, predictions: dict[str, tuple[np.ndarray, 
     out = {"threshold_kcal_mol": threshold, "n_conformers_beyond": int(beyond.sum()),
            "molecules": sorted({names[k] for k in arrays["molecule"][far]}, key=names.index)}
     for label, sel in (("those_molecules", far), ("the_others", ~far)):
+        if not sel.any():  # no molecule on this side: no errors to give
+            out[label] = {"n_molecules": 0}
+            continue
         part = {key: value[sel] for key, value in arrays.items()}
         out[label] = {"n_molecules": int(len(np.unique(part["molecule"]))),
                       **{method: test_errors(part, e_pred[sel], f_pred[sel])
@@ -238,15 +249,18 @@ def finished_history(run: Path, epochs: int) -> list[dict] | None:
     return lines if len(lines) >= epochs else None
 
 
-def speed(cfg: ChemConfig, model, arrays: dict[str, np.ndarray], n_dft: int) -> dict:
-    """DFT at the trained level against the network's energy+forces on the test conformers, one thread each."""
-    single = time_surrogate(model, arrays["species"], arrays["coordinates"], 1)
-    batched = time_surrogate(model, arrays["species"], arrays["coordinates"], 256)
+def speed(cfg: ChemConfig, models: list, arrays: dict[str, np.ndarray], n_dft: int) -> dict:
+    """DFT at the trained level against the committee's energy+forces (its members one after another, as trained:
+    float32) on the test conformers, one thread each."""
+    single = [time_surrogate(m, arrays["species"], arrays["coordinates"], 1) for m in models]
+    batched = [time_surrogate(m, arrays["species"], arrays["coordinates"], 256) for m in models]
     order = np.random.default_rng(0).permutation(len(arrays["energy"]))[:n_dft]  # across the test molecules
     dft = time_dft(cfg, arrays["species"][order], arrays["coordinates"][order], cfg.level, n_dft)
     return {"dft_level": cfg.level_of_theory, "dft_seconds_per_conformer": dft, "n_dft_timed": n_dft,
-            "surrogate_seconds_single": single, "surrogate_seconds_batched": batched, "batch_size": 256,
-            "speedup_single": dft / single, "speedup_batched": dft / batched, "threads": torch.get_num_threads()}
+            "networks": len(models), "surrogate_seconds_single": sum(single), "surrogate_seconds_batched": sum(batched),
+            "batch_size": 256, "speedup_single": dft / sum(single), "speedup_batched": dft / sum(batched),
+            "one_network_seconds_single": single[0], "one_network_seconds_batched": batched[0],
+            "threads": torch.get_num_threads()}
 
 
 def test_set(args: argparse.Namespace) -> tuple[list[str], dict]:
@@ -262,10 +276,36 @@ def run_predictions(app, run: Path, arrays: dict) -> tuple[np.ndarray, np.ndarra
     return predict(model.double(), arrays["species"], arrays["coordinates"])
 
 
-def test_predictions(args: argparse.Namespace, app, run: Path) -> tuple[list[str], dict, np.ndarray, np.ndarray]:
-    """The test molecules' names, their padded DFT arrays, and the run's energies and forces on them (float64)."""
+def member_runs(run: Path) -> list[Path]:
+    """The training runs of ``run``: its members if it is an ensemble run, else itself."""
+    if (run / ENSEMBLE_FILE).is_file():
+        return [run / name for name in json.loads((run / ENSEMBLE_FILE).read_text())["member_dirs"]]
+    return [run]
+
+
+def committee_predictions(app, runs: list[Path], arrays: dict) -> tuple[np.ndarray, np.ndarray, list]:
+    """The mean energies and forces of ``runs`` on ``arrays`` (float64), and each run's own."""
+    predictions = [run_predictions(app, run, arrays) for run in runs]
+    return (np.mean([e for e, _ in predictions], axis=0), np.mean([f for _, f in predictions], axis=0), predictions)
+
+
+def member_errors(arrays: dict, runs: list[Path], predictions: list, root: Path) -> list[dict]:
+    """Each member's own errors on the test set, with its seed and training-set size."""
+    out = []
+    for run, (e, f) in zip(runs, predictions):
+        config = json.loads((run / "config.json").read_text())
+        out.append({"run": str(run.relative_to(root)), "seed": config["train"]["seed"],
+                    "n_conformers": config["n_train_samples"] + config["n_val_samples"], **test_errors(arrays, e, f)})
+    return out
+
+
+def test_predictions(args: argparse.Namespace, app, run: Path) -> tuple[list[str], dict, np.ndarray, np.ndarray, list]:
+    """The test molecules' names, their padded DFT arrays, the run's (its committee's mean) energies and forces on
+    them (float64), and each member's errors (empty for one network)."""
     names, arrays = test_set(args)
-    return (names, arrays, *run_predictions(app, run, arrays))
+    runs = member_runs(run)
+    e_pred, f_pred, predictions = committee_predictions(app, runs, arrays)
+    return names, arrays, e_pred, f_pred, member_errors(arrays, runs, predictions, args.out) if len(runs) > 1 else []
 
 
 def test_errors(arrays: dict[str, np.ndarray], e_pred: np.ndarray, f_pred: np.ndarray) -> dict:
@@ -291,12 +331,8 @@ def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
         why = f"not finished: {', '.join(unfinished)}" if unfinished else "one given"
         raise SystemExit(f"--members: give two or more finished runs ({why})")
     _, arrays = test_set(args)
-    predictions = [run_predictions(app, run, arrays) for run in runs]
-    e_pred = np.mean([e for e, _ in predictions], axis=0)
-    f_pred = np.mean([f for _, f in predictions], axis=0)
-    members = [{"run": run.name, "n_conformers": configs[run]["n_train_samples"] + configs[run]["n_val_samples"],
-                **test_errors(arrays, e, f)}
-               for run, (e, f) in zip(runs, predictions)]
+    e_pred, f_pred, predictions = committee_predictions(app, runs, arrays)
+    members = member_errors(arrays, runs, predictions, args.out)
     sizes = {m["n_conformers"] for m in members}  # each member's own data: the command line's --hot is not theirs
     return write_variant(args, {"variant": args.variant, "library": args.library,
                                 "n_conformers": sizes.pop() if len(sizes) == 1 else sorted(sizes), "members": members,
@@ -346,8 +382,8 @@ def main() -> int:
     ap.add_argument("--test-conformers", type=int, default=10, help="conformers per test molecule")
     ap.add_argument("--level", default="fast", help="DFT level of training and test labels")
     ap.add_argument("--temperature", type=float, default=300.0, help="normal-mode sampling temperature, K")
-    ap.add_argument("--hot", type=int, default=0, help="this many more training conformers (DFT calls) over "
-                    "--library at --hot-temperature")
+    ap.add_argument("--hot", type=int, default=MAIN["hot"], help="this many more training conformers (DFT calls) "
+                    "over --library at --hot-temperature (0: none)")
     ap.add_argument("--hot-temperature", type=float, default=600.0, help="temperature of the --hot conformers, K")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=None, help="training epochs (default: the CLI's)")
@@ -361,8 +397,12 @@ def main() -> int:
     ap.add_argument("--force-weight", type=float, default=1.0,
                     help="app.force_weight of the training (the app's default, 0.1, is for one molecule; over "
                          "chemical space 1.0 did better: see the fw variants in chem_transfer.json)")
-    ap.add_argument("--aev-preset", default=ChemConfig.aev_preset, choices=PRESETS,
+    ap.add_argument("--aev-preset", default=MAIN["aev_preset"], choices=PRESETS,
                     help="app.aev_preset of the training (ani1x_r4: the radial cutoff at 4.0 Å; aev.py)")
+    ap.add_argument("--committee", type=int, default=MAIN["committee"], help="networks trained with seeds SEED, "
+                    "SEED+1, ... (an ensemble run, member-I/ under the run); their mean is judged (1: one network)")
+    ap.add_argument("--member", type=int, default=None, help="train only this member of the committee and stop "
+                    "(run members side by side in separate processes, then the plain command)")
     ap.add_argument("--seed", type=int, default=0, help="training seed (initial weights, batches, split)")
     ap.add_argument("--members", default="", help="with --variant: no training; the mean prediction of these "
                                                   "finished runs (comma-separated folder names under --out)")
@@ -374,10 +414,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.members and not args.variant:
         ap.error("--members needs --variant NAME (the ensemble's entry under variants)")
-    if args.aev_preset != ChemConfig.aev_preset and (not args.variant or args.members):
-        ap.error("--aev-preset trains a variant: give --variant NAME (a name of its own, not an earlier run's)")
-    if args.hot and (not args.variant or args.members):
-        ap.error("--hot trains a variant on more data: give --variant NAME (a name of its own, not an earlier run's)")
+    changed = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, v in MAIN.items() if getattr(args, k) != v]
+    if changed and not args.variant and args.results == RESULTS:  # elsewhere (--results): a trial of the pipeline
+        ap.error(f"{', '.join(changed)} trains a variant, not the main result (--hot {MAIN['hot']} --aev-preset "
+                 f"{MAIN['aev_preset']} --committee {MAIN['committee']}): give --variant NAME, a name of its own")
+    if args.committee < 1:
+        ap.error(f"--committee {args.committee}: give 1 (one network) or more")
+    if args.member is not None and not (args.committee >= 2 and 0 <= args.member < args.committee):
+        ap.error(f"--member {args.member}: give 0 to {args.committee - 1} of a --committee of 2 or more")
     torch.set_num_threads(1)
     _, train_sim_s = simulate_train(args)
     hot_sim_s = simulate_train(args, hot=True)[1] if args.hot else 0.0
@@ -395,25 +439,42 @@ def main() -> int:
     run = run_dir(args)
     if args.members:
         return ensemble_variant(args, app, [args.out / m.strip() for m in args.members.split(",") if m.strip()])
-    history = finished_history(run, tcfg.epochs)
-    if history is None:  # train, or resume an interrupted run
+    extra = {"data": str(train_dir(args)), **({"hot_data": str(hot_dir(args))} if args.hot else {})}
+
+    def training_arrays() -> dict[str, np.ndarray]:
         parts = [store.load() for store in stores]
-        arrays = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
-        result = train(app, cfg, tcfg, arrays, run, resume=(run / "last.pt").exists(),
-                       extra_config={"data": str(train_dir(args)),
-                                     **({"hot_data": str(hot_dir(args))} if args.hot else {})})
-        history = result.history
-    train_s = sum(h["seconds"] for h in history)
+        return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+
+    if args.committee == 1:
+        history = finished_history(run, tcfg.epochs)
+        if history is None:  # train, or resume an interrupted run
+            history = train(app, cfg, tcfg, training_arrays(), run, resume=(run / "last.pt").exists(),
+                            extra_config=extra).history
+        histories = [history]
+    elif args.member is not None:  # one member; the plain command records the ensemble once all have finished
+        done = train_member(app, cfg, tcfg, training_arrays(), run, args.member, progress=True, extra_config=extra)
+        print(f"member {args.member} of {run}: best epoch {done['best_epoch']}, {done['epochs']} epochs",
+              file=sys.stderr)
+        return 0
+    else:
+        finished = (run / ENSEMBLE_FILE).is_file() and json.loads((run / ENSEMBLE_FILE).read_text())["members"] == \
+            args.committee
+        if not finished:  # trains the members not yet finished, one after another
+            train_ensemble(app, cfg, tcfg, training_arrays(), run, members=args.committee, progress=True,
+                           extra_config=extra)
+        histories = [[json.loads(x) for x in (member_dir(run, i) / "metrics.jsonl").read_text().splitlines()]
+                     for i in range(args.committee)]
+    train_s = sum(h["seconds"] for hist in histories for h in hist)
     if args.until == "train":
         return 0
     if args.variant:  # the same data and test set, another training: its accuracy beside the main result
-        names, arrays, e_pred, f_pred = test_predictions(args, app, run)
+        names, arrays, e_pred, f_pred, members = test_predictions(args, app, run)
         entry = {"variant": args.variant, "library": args.library, "force_weight": cfg.force_weight,
-                 "hidden": list(cfg.hidden), "aev_preset": cfg.aev_preset,
+                 "hidden": list(cfg.hidden), "aev_preset": cfg.aev_preset, "committee": args.committee,
                  "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")},
-                 "n_conformers": n_train, "hot": hot_entry(args), "epochs_run": len(history),
+                 "n_conformers": n_train, "hot": hot_entry(args), "epochs_run": min(map(len, histories)),
                  "train_wall_s": train_s,
-                 **test_errors(arrays, e_pred, f_pred),
+                 **test_errors(arrays, e_pred, f_pred), **({"members": members} if members else {}),
                  "per_molecule": molecule_errors(arrays, e_pred, f_pred, names),
                  "neighbour_coverage": neighbour_coverage(stores, arrays, names)}
         return write_variant(args, entry)
@@ -424,7 +485,7 @@ def main() -> int:
         print(json.dumps(previous["screening"], indent=1))
         print("written", write_json(path, previous), file=sys.stderr)
         return 0
-    names, arrays, e_pred, f_pred = test_predictions(args, app, run)
+    names, arrays, e_pred, f_pred, members = test_predictions(args, app, run)
     t0 = time.perf_counter()
     e_xtb, f_xtb = xtb_baseline(arrays)
     xtb_s = time.perf_counter() - t0
@@ -436,8 +497,10 @@ def main() -> int:
                   "n_conformers": n_train, "dft_calls": sum(s.n_samples for s in stores),
                   "level_of_theory": cfg.level_of_theory, "temperature_K": args.temperature, "hot": hot_entry(args),
                   "simulate_wall_s": train_sim_s + hot_sim_s, "train_wall_s": train_s,
-                  "epochs_run": len(history),
-                  "best_epoch": 1 + min(range(len(history)), key=lambda k: history[k][app.monitor.name]),
+                  "aev_preset": cfg.aev_preset, "committee": args.committee,
+                  "seeds": list(range(args.seed, args.seed + args.committee)),
+                  "epochs_run": min(map(len, histories)),
+                  "best_epoch": [1 + min(range(len(h)), key=lambda k: h[k][app.monitor.name]) for h in histories],
                   "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "patience")}},
         "test": {"library": TEST_LIBRARY, "n_molecules": len(names), "molecules": names,
                  "min_heavy_atoms": min(heavy_atoms(s) for _, s in labelled_test_molecules(args)),
@@ -446,10 +509,11 @@ def main() -> int:
                  "conformers_per_molecule": args.test_conformers, "n_conformers": int(len(arrays["energy"])),
                  "simulate_wall_s": test_sim_s, "level_of_theory": cfg.level_of_theory,
                  "overlap_with_train": sorted(set(names) & {m.name for m in train_mols})},
-        "network": {**test_errors(arrays, e_pred, f_pred), "force_weight": cfg.force_weight},
+        "network": {**test_errors(arrays, e_pred, f_pred), "force_weight": cfg.force_weight,
+                    "committee": args.committee, **({"members": members} if members else {})},
         "gfn2_xtb": {**test_errors(arrays, e_xtb, f_xtb), "wall_s": xtb_s,
                      "note": "absolute energies after per-element offsets fitted on the test labels"},
-        "speed": speed(cfg, load_model(app, run)[0], arrays, args.n_dft_timing),  # as trained (float32)
+        "speed": speed(cfg, [load_model(app, r)[0] for r in member_runs(run)], arrays, args.n_dft_timing),
         "screening": screening(args, run),
         "neighbour_coverage": neighbour_coverage(stores, arrays, names),
         "far_from_mean": split_far_from_mean(arrays, names, {"network": (e_pred, f_pred), "gfn2_xtb": (e_xtb, f_xtb)}),

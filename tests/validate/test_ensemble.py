@@ -13,7 +13,8 @@ from converge.contract import App, ArraySpec, Monitor
 from converge.data.sources import ArraySource, split_indices
 from converge.train.loop import TrainConfig, load_model, train
 from converge.validate.ensemble import (ENSEMBLE_FILE, EnsembleError, EnsembleModel, load_ensemble, member_config,
-                                        member_dir, reduce_members, train_ensemble)
+                                        member_dir, reduce_members, train_ensemble,
+                                        train_member)
 
 
 @dataclass(frozen=True)
@@ -197,3 +198,22 @@ def test_load_refuses_a_member_changed_after_the_ensemble_was_recorded(arrays, t
     (tmp_path / ENSEMBLE_FILE).unlink()
     with pytest.raises(EnsembleError, match="train_ensemble"):
         load_ensemble(app, tmp_path)
+
+
+def test_members_trained_apart_equal_the_ensemble_and_are_not_retrained(arrays, tmp_path):
+    """Side by side (one process or job per member) gives the members train_ensemble would train itself."""
+    app = LinearApp()
+    for i in (1, 0):  # in any order
+        done = train_member(app, LinearConfig(), CFG, arrays, tmp_path / "apart", i)
+        assert done["train"]["seed"] == i and done["epochs"] == CFG.epochs
+    assert not (tmp_path / "apart" / ENSEMBLE_FILE).exists()  # only train_ensemble records the ensemble
+    before = [stamp(member_dir(tmp_path / "apart", i) / "best.pt") for i in range(2)]
+    record = train_ensemble(app, LinearConfig(), CFG, arrays, tmp_path / "apart", members=2)
+    assert [stamp(member_dir(tmp_path / "apart", i) / "best.pt") for i in range(2)] == before
+    train_ensemble(app, LinearConfig(), CFG, arrays, tmp_path / "together", members=2)
+    apart, together = load_ensemble(app, tmp_path / "apart"), load_ensemble(app, tmp_path / "together")
+    for a, b in zip(apart.members, together.members):
+        torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0)
+    assert record["seeds"] == [0, 1]
+    with pytest.raises(EnsembleError, match="different train"):
+        train_member(app, LinearConfig(), replace(CFG, lr=1e-3), arrays, tmp_path / "apart", 0)

@@ -179,6 +179,26 @@ def _training_finished(result: TrainResult, cfg: TrainConfig) -> bool:
     return result.stopped_early or last_epoch + 1 >= cfg.epochs
 
 
+def train_member(app: App, app_cfg: Any, train_cfg: TrainConfig, arrays: Mapping[str, np.ndarray],
+                 run_dir: str | Path, index: int, progress: bool = False,
+                 extra_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Train member ``index`` of the ensemble in ``run_dir`` (skipped if finished, resumed if interrupted) and
+    return its ``done.json``. Members are independent, so separate processes or jobs may train them side by side;
+    :func:`train_ensemble` then finds them finished and writes ``ensemble.json``."""
+    run_dir = Path(run_dir)
+    directory, cfg = member_dir(run_dir, index), member_config(train_cfg, index)
+    if not member_finished(app, app_cfg, train_cfg, run_dir, index):
+        resume = (directory / "last.pt").is_file() or (directory / "last.dcp").is_dir()
+        result = train(app, app_cfg, cfg, arrays, directory, resume=resume, progress=progress,
+                       extra_config={**(extra_config or {}), "ensemble_member": index})
+        if not _training_finished(result, cfg):
+            raise EnsembleError(f"member {index} stopped before its last epoch; rerun to resume it")
+        record = {**_identity(app, app_cfg, cfg), "best_epoch": result.best_epoch,
+                  "best_value": result.best_value, "epochs": len(result.history)}
+        atomic_write_bytes(directory / DONE_FILE, json_bytes(record))
+    return json.loads((directory / DONE_FILE).read_text())
+
+
 def train_ensemble(
     app: App,
     app_cfg: Any,
@@ -203,19 +223,8 @@ def train_ensemble(
     identity = _identity(app, app_cfg, train_cfg)
     if (run_dir / ENSEMBLE_FILE).is_file():
         _check_same(json.loads((run_dir / ENSEMBLE_FILE).read_text()), identity, run_dir / ENSEMBLE_FILE)
-    summaries = []
-    for i in range(members):
-        directory, cfg = member_dir(run_dir, i), member_config(train_cfg, i)
-        if not member_finished(app, app_cfg, train_cfg, run_dir, i):
-            resume = (directory / "last.pt").is_file() or (directory / "last.dcp").is_dir()
-            result = train(app, app_cfg, cfg, arrays, directory, resume=resume, progress=progress,
-                           extra_config={**(extra_config or {}), "ensemble_member": i})
-            if not _training_finished(result, cfg):
-                raise EnsembleError(f"member {i} stopped before its last epoch; rerun to resume it")
-            record = {**_identity(app, app_cfg, cfg), "best_epoch": result.best_epoch,
-                      "best_value": result.best_value, "epochs": len(result.history)}
-            atomic_write_bytes(directory / DONE_FILE, json_bytes(record))
-        summaries.append(json.loads((directory / DONE_FILE).read_text()))
+    summaries = [train_member(app, app_cfg, train_cfg, arrays, run_dir, i, progress, extra_config)
+                 for i in range(members)]
     record = {**identity, "members": members, "spread_ddof": SPREAD_DDOF, **json_round_trip(dict(extra_config or {})),
               "member_dirs": [member_dir(run_dir, i).name for i in range(members)],
               "seeds": [member_config(train_cfg, i).seed for i in range(members)],

@@ -98,6 +98,35 @@ def test_screen_errors_say_how_to_fix_them(mixed, tmp_path):
         ScreenConfig(method="mp2")
 
 
+def test_a_molecule_the_run_cannot_answer_gets_its_reason_and_the_screen_goes_on(mixed, tmp_path):
+    """An .xyz frame with two atoms 0.3 Å apart (a broken input among good ones): its row says why, the other
+    molecules are screened, and nothing of theirs is lost."""
+    from ase import Atoms
+    from ase.build import molecule
+    from ase.io import write
+
+    root, _ = mixed
+    broken = molecule("CH3OH")
+    broken.positions[1] = broken.positions[0] + [0.3, 0.0, 0.0]
+    frames = [molecule("CH3OH"), Atoms(broken), molecule("CH4")]
+    for atoms, name in zip(frames, ("methanol", "broken", "methane")):
+        atoms.info["name"] = name
+    write(tmp_path / "in.xyz", frames, format="extxyz")
+    result = CliRunner().invoke(cli_module.cli, ["screen", "chem", str(tmp_path / "in.xyz"), "--run",
+                                                 str(root / "run"), "--out", str(tmp_path / "hits")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    rows = list(csv.DictReader((tmp_path / "hits.csv").open()))
+    assert summary["molecules"] == 3 and len(rows) == 3
+    (failed, why), = summary["failed"].items()
+    assert "0.300 Å apart" in why and "InputError" in why
+    bad = [r for r in rows if r["name"] == failed][0]
+    assert bad["n_conformers"] == "0" and bad["relative_energies_kcal_mol"] == "" and bad["trusted"] == "False"
+    good = [r for r in rows if r["name"] != failed]
+    assert len(good) == 2 and all(r["error"] == "" and r["relative_energies_kcal_mol"] == "0.000" for r in good)
+    assert (tmp_path / "hits.extxyz").read_text().count("energy_hartree") == 2
+
+
 def test_relative_energies_are_sorted_from_zero():
     assert relative_kcal([-1.0, -1.001, -0.999]) == pytest.approx([0.0, 0.6275095, 1.255019], rel=1e-5)
 

@@ -9,7 +9,10 @@ every conformer's energy relative to it. With an ensemble run, the members' ener
 atom at the lowest conformer, ``sigma_E / sqrt(N)`` in kcal/mol (ANI's query-by-committee
 score), is the trust flag: above the run's calibrated threshold (``calibration.json``) or
 ``max_spread`` the molecule is untrusted, and ``fallback="dft"`` recomputes its conformer
-energies by DFT at the run's level (single points on the optimised geometries).
+energies by DFT at the run's level (single points on the optimised geometries). A molecule whose
+optimisation fails (an element the run was not trained on, atoms driven onto each other, DFT
+without a converged SCF) gets a row with the reason in ``error`` and no energies; the screen goes on
+and its summary lists the failures under ``failed``.
 
 Writes ``OUT.csv`` (one row per molecule), ``OUT.sdf`` (the lowest conformers, where SMILES gave
 the bonds) and ``OUT.extxyz`` (every optimised conformer, energies in ``info``).
@@ -74,6 +77,7 @@ class ScreenRow(NamedTuple):
     trusted: bool | None
     source: str  # what the reported energies come from: surrogate, xtb, dft
     seconds: float
+    error: str = ""  # why the molecule has no result (its optimisation failed); the screen goes on
 
 
 def starting_geometries(record: MoleculeRecord, cfg: ScreenConfig) -> list[np.ndarray]:
@@ -171,9 +175,17 @@ def screen_record(record: MoleculeRecord, energy_forces: BatchEnergyForcesFn, cf
                   ensemble: Any = None, limit: float | None = None,
                   fallback: EnergyForcesFn | None = None) -> tuple[ScreenRow, list[np.ndarray], list[float]]:
     """One molecule: its optimised conformers [Å] and their energies [hartree], lowest first, and its row."""
+    from .calculator import InputError
+    from .dft import SCFNotConverged
+
     t0 = time.perf_counter()
     symbols = record.molecule.symbols
-    final, found = optimise(symbols, starting_geometries(record, cfg), energy_forces, cfg)
+    try:
+        final, found = optimise(symbols, starting_geometries(record, cfg), energy_forces, cfg)
+    except (InputError, SCFNotConverged) as e:  # atoms the run was not trained on, a collapsed geometry, no SCF
+        row = ScreenRow(record.name, record.smiles or "", len(symbols), 0, float("nan"), [], None, False, source,
+                        time.perf_counter() - t0, f"{type(e).__name__}: {e}")
+        return row, [], []
     order = np.argsort(found, kind="stable")
     geometries, energies = [final[k] for k in order], [float(found[k]) for k in order]
     spread = ensemble_spread(ensemble, symbols, geometries[0]) if ensemble is not None else None
@@ -230,7 +242,8 @@ def screen_file(run: str | Path | None, path: str | Path, out: str | Path, cfg: 
     write_outputs(out, rows, frames, cfg.method)
     return {"molecules": len(rows), "seconds": seconds, "molecules_per_second": len(rows) / seconds,
             "method": cfg.method, "level_of_theory": app_cfg.level_of_theory if cfg.method != "xtb" else "GFN2-xTB",
-            "untrusted": sum(r.trusted is False for r in rows), "csv": str(out.with_suffix(".csv")),
+            "untrusted": sum(r.trusted is False for r in rows),
+            "failed": {r.name: r.error for r in rows if r.error}, "csv": str(out.with_suffix(".csv")),
             "sdf": str(out.with_suffix(".sdf")), "extxyz": str(out.with_suffix(".extxyz"))}
 
 
@@ -245,7 +258,7 @@ def write_outputs(out: Path, rows: Sequence[ScreenRow], frames: Sequence[tuple],
     for r in rows:
         writer.writerow([*r[:5], ";".join(f"{e:.3f}" for e in r.relative_energies_kcal_mol),
                          "" if r.spread_kcal_mol_per_sqrt_atom is None else f"{r.spread_kcal_mol_per_sqrt_atom:.4f}",
-                         "" if r.trusted is None else r.trusted, r.source, f"{r.seconds:.3f}"])
+                         "" if r.trusted is None else r.trusted, r.source, f"{r.seconds:.3f}", r.error])
     atomic_write_bytes(out.with_suffix(".csv"), text.getvalue().encode())
     xyz = io.StringIO()
     for record, geometries, energies in frames:
@@ -265,7 +278,7 @@ def lowest_conformers_sdf(frames: Sequence[tuple]) -> str:
 
     text = io.StringIO()
     for record, geometries, energies in frames:
-        if not record.smiles:
+        if not record.smiles or not geometries:  # no SMILES bonds, or no result
             continue
         mol = Chem.AddHs(Chem.MolFromSmiles(record.smiles))
         conf = Chem.Conformer(mol.GetNumAtoms())
