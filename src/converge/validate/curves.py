@@ -51,9 +51,35 @@ def summarise_seeds(result: Mapping[str, Any], metrics: Sequence[str]) -> dict[s
     seeds: dict[str, Any] = {"seeds": sorted(plain)}
     for metric in metrics:
         fractions = [plain[s][metric]["fraction_of_random_calls"] for s in sorted(plain)]
-        seeds[metric] = {"fraction_of_random_calls": fractions,
-                         "mean": None if None in fractions else sum(fractions) / len(fractions)}
+        seeds[metric] = {"fraction_of_random_calls": fractions, "mean": mean_or_none(fractions)}
+    if len(plain) > 1 and all("curves" in r for r in plain.values()):
+        seeds["against_random_mean"] = against_random_mean([plain[s]["curves"] for s in sorted(plain)], metrics)
     return {**result, "seeds": seeds}
+
+
+def mean_or_none(values: Sequence[float | None]) -> float | None:
+    return None if not values or None in values else sum(values) / len(values)  # type: ignore[arg-type]
+
+
+def against_random_mean(runs: Sequence[Mapping[str, Sequence[Mapping[str, Any]]]],
+                        metrics: Sequence[str]) -> dict[str, Any]:
+    """Each seed's active curve judged against random's final error averaged over the seeds, rather than its own
+    seed's random draw (curves of ``dft_calls`` per round, one schedule for all): the fraction of random's calls at
+    which it first reaches that mean (interpolated, :func:`calls_to_reach`; None: never), by seed, and their mean."""
+    calls = [[h["dft_calls"] for h in run[label]] for run in runs for label in ("active", "random")]
+    if any(c != calls[0] for c in calls):
+        raise ValueError(f"runs differ in their DFT calls per round ({calls}); compare runs of one schedule")
+    out: dict[str, Any] = {}
+    for metric in metrics:
+        if any(h.get(metric) is None for run in runs for curve in run.values() for h in curve):
+            continue
+        target = float(np.mean([run["random"][-1][metric] for run in runs]))
+        fractions = [None if reach is None else reach / calls[0][-1] for reach in
+                     (calls_to_reach(calls[0], [h[metric] for h in run["active"]], target, interpolate=True)
+                      for run in runs)]
+        out[metric] = {"random_final_mean": target, "fraction_of_random_calls": fractions,
+                       "mean": mean_or_none(fractions)}
+    return out
 
 
 def mean_curve(curves: Sequence[Sequence[Mapping[str, Any]]], metric: str) -> tuple[list[float], list[float]]:
