@@ -289,11 +289,16 @@ def committee_predictions(app, runs: list[Path], arrays: dict) -> tuple[np.ndarr
     return (np.mean([e for e, _ in predictions], axis=0), np.mean([f for _, f in predictions], axis=0), predictions)
 
 
-def member_errors(arrays: dict, runs: list[Path], predictions: list, root: Path) -> list[dict]:
-    """Each member's own errors on the test set, with its seed and training-set size."""
+def run_configs(runs: list[Path]) -> dict[Path, dict | None]:
+    """Each run's ``config.json`` (None where it has none)."""
+    return {r: json.loads((r / "config.json").read_text()) if (r / "config.json").is_file() else None for r in runs}
+
+
+def member_errors(arrays: dict, configs: dict[Path, dict], predictions: list, root: Path) -> list[dict]:
+    """Each member's own errors on the test set, with its seed and training-set size (``configs``: run -> its
+    config.json, in the order of ``predictions``)."""
     out = []
-    for run, (e, f) in zip(runs, predictions):
-        config = json.loads((run / "config.json").read_text())
+    for (run, config), (e, f) in zip(configs.items(), predictions):
         out.append({"run": str(run.relative_to(root)), "seed": config["train"]["seed"],
                     "n_conformers": config["n_train_samples"] + config["n_val_samples"], **test_errors(arrays, e, f)})
     return out
@@ -305,7 +310,7 @@ def test_predictions(args: argparse.Namespace, app, run: Path) -> tuple[list[str
     names, arrays = test_set(args)
     runs = member_runs(run)
     e_pred, f_pred, predictions = committee_predictions(app, runs, arrays)
-    return names, arrays, e_pred, f_pred, member_errors(arrays, runs, predictions, args.out) if len(runs) > 1 else []
+    return names, arrays, e_pred, f_pred, member_errors(arrays, run_configs(runs), predictions, args.out) if len(runs) > 1 else []
 
 
 def test_errors(arrays: dict[str, np.ndarray], e_pred: np.ndarray, f_pred: np.ndarray) -> dict:
@@ -325,14 +330,14 @@ def write_variant(args: argparse.Namespace, entry: dict) -> int:
 
 def ensemble_variant(args: argparse.Namespace, app, runs: list[Path]) -> int:
     """The committee of ``runs`` (finished trainings on the same test set): its mean energies and forces there."""
-    configs = {r: json.loads((r / "config.json").read_text()) if (r / "config.json").is_file() else None for r in runs}
+    configs = run_configs(runs)
     unfinished = [str(r) for r, c in configs.items() if c is None or finished_history(r, c["train"]["epochs"]) is None]
     if len(runs) < 2 or unfinished:
         why = f"not finished: {', '.join(unfinished)}" if unfinished else "one given"
         raise SystemExit(f"--members: give two or more finished runs ({why})")
     _, arrays = test_set(args)
     e_pred, f_pred, predictions = committee_predictions(app, runs, arrays)
-    members = member_errors(arrays, runs, predictions, args.out)
+    members = member_errors(arrays, configs, predictions, args.out)
     sizes = {m["n_conformers"] for m in members}  # each member's own data: the command line's --hot is not theirs
     return write_variant(args, {"variant": args.variant, "library": args.library,
                                 "n_conformers": sizes.pop() if len(sizes) == 1 else sorted(sizes), "members": members,
@@ -462,8 +467,7 @@ def main() -> int:
         if not finished:  # trains the members not yet finished, one after another
             train_ensemble(app, cfg, tcfg, training_arrays(), run, members=args.committee, progress=True,
                            extra_config=extra)
-        histories = [[json.loads(x) for x in (member_dir(run, i) / "metrics.jsonl").read_text().splitlines()]
-                     for i in range(args.committee)]
+        histories = [finished_history(member_dir(run, i), 0) for i in range(args.committee)]  # all finished above
     train_s = sum(h["seconds"] for hist in histories for h in hist)
     if args.until == "train":
         return 0
