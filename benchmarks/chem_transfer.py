@@ -20,6 +20,10 @@ unseen molecules: conformer energies relative to each molecule's mean, and force
 
 The committee's members are independent: ``--member I`` trains member I alone and stops, so two
 processes can train members side by side; the plain command then finds them finished.
+
+``--variant NAME --delta gfn2_xtb`` trains the same committee on DFT minus GFN2-xTB (``app.baseline``:
+delta learning, :mod:`converge.apps.chem.delta`); its potential is xTB plus the network, and its entry adds
+the speed against DFT and the screening rate beside xTB's, since each prediction pays for an xTB call.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import torch
 
 from converge.apps.chem import ChemApp, ChemConfig
 from converge.apps.chem.aev import PRESETS
+from converge.apps.chem.config import BASELINES
 from converge.apps.chem.evaluate import (deviation_from_mean, error_report, far_from_mean, predict,
                                          relative_energy_mae, time_dft, time_surrogate, xtb_baseline)
 from converge.apps.chem.screen import ScreenConfig, screen_file
@@ -55,7 +60,8 @@ ANCHORS = {"ani1x_comp6": {"relative_energy_mae_kcal_mol": 1.85, "force_mae_kcal
                            "source": "Smith et al., J. Chem. Phys. 148, 241733 (2018): ANI-1x on COMP6, "
                                      "5 million training conformers"}}
 TARGETS = {"relative_energy_mae_kcal_mol": 1.5, "force_mae_kcal_mol_A": 3.0}
-MAIN = {"hot": 1000, "aev_preset": "ani1x_r4", "committee": 3}  # the main result's training; others are variants
+MAIN = {"hot": 1000, "aev_preset": "ani1x_r4", "committee": 3, "delta": ""}  # the main result's; others are variants
+SCREEN_METHODS = (("network", "surrogate"), ("gfn2_xtb", "xtb"), ("dft", "dft"))  # result key, screen --method
 FAR_KCAL_MOL = 50.0  # a conformer this far from its molecule's mean energy is no 300 K conformer
 
 
@@ -271,7 +277,7 @@ def test_set(args: argparse.Namespace) -> tuple[list[str], dict]:
 
 
 def run_predictions(app, run: Path, arrays: dict) -> tuple[np.ndarray, np.ndarray]:
-    """The run's energies and forces on ``arrays`` (float64)."""
+    """The run's energies and forces on ``arrays`` (float64; a delta run's include its baseline's)."""
     model, _ = load_model(app, run)
     return predict(model.double(), arrays["species"], arrays["coordinates"])
 
@@ -364,11 +370,10 @@ def screen_methods(args: argparse.Namespace, run: Path, n_molecules: int, confor
 def screening(args: argparse.Namespace, run: Path) -> dict:
     """The conformer search on the network, GFN2-xTB and DFT on the same few molecules in one run; then the network
     and xTB alone on more molecules and conformers (``larger``), where DFT would take hours."""
-    three = (("network", "surrogate"), ("gfn2_xtb", "xtb"), ("dft", "dft"))
-    out = screen_methods(args, run, args.screen_molecules, args.screen_conformers, three, "")
+    out = screen_methods(args, run, args.screen_molecules, args.screen_conformers, SCREEN_METHODS, "")
     out["network_over_dft"] = out["network"]["molecules_per_second"] / out["dft"]["molecules_per_second"]
     out["network_over_xtb"] = out["network"]["molecules_per_second"] / out["gfn2_xtb"]["molecules_per_second"]
-    larger = screen_methods(args, run, args.screen_larger_molecules, args.screen_larger_conformers, three[:2],
+    larger = screen_methods(args, run, args.screen_larger_molecules, args.screen_larger_conformers, SCREEN_METHODS[:2],
                             "-larger")
     larger["network_over_xtb"] = larger["network"]["molecules_per_second"] / larger["gfn2_xtb"]["molecules_per_second"]
     out["larger"] = larger
@@ -408,6 +413,10 @@ def main() -> int:
                     "SEED+1, ... (an ensemble run, member-I/ under the run); their mean is judged (1: one network)")
     ap.add_argument("--member", type=int, default=None, help="train only this member of the committee and stop "
                     "(run members side by side in separate processes, then the plain command)")
+    ap.add_argument("--delta", choices=BASELINES, default=MAIN["delta"],
+                    help="with --variant: app.baseline of the training: gfn2_xtb trains the networks on DFT minus "
+                         "GFN2-xTB and predicts xTB plus the network (delta learning; each prediction then costs an "
+                         "xTB call too)")
     ap.add_argument("--seed", type=int, default=0, help="training seed (initial weights, batches, split)")
     ap.add_argument("--members", default="", help="with --variant: no training; the mean prediction of these "
                                                   "finished runs (comma-separated folder names under --out)")
@@ -437,7 +446,7 @@ def main() -> int:
     stores = training_stores(args)
     n_train = sum(map(len, stores))
     cfg = ChemConfig(molecules=args.library, level=args.level, temperature=args.temperature,
-                     force_weight=args.force_weight, aev_preset=args.aev_preset)
+                     force_weight=args.force_weight, aev_preset=args.aev_preset, baseline=args.delta)
     overrides = {k: v for k, v in (("epochs", args.epochs), ("batch_size", args.batch_size)) if v is not None}
     overrides["seed"] = args.seed
     tcfg = TrainConfig(**{**app.train_defaults, **overrides})  # what `converge train chem` uses, unless overridden
@@ -475,12 +484,20 @@ def main() -> int:
         names, arrays, e_pred, f_pred, members = test_predictions(args, app, run)
         entry = {"variant": args.variant, "library": args.library, "force_weight": cfg.force_weight,
                  "hidden": list(cfg.hidden), "aev_preset": cfg.aev_preset, "committee": args.committee,
+                 "baseline": cfg.baseline or None,
                  "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")},
                  "n_conformers": n_train, "hot": hot_entry(args), "epochs_run": min(map(len, histories)),
                  "train_wall_s": train_s,
                  **test_errors(arrays, e_pred, f_pred), **({"members": members} if members else {}),
                  "per_molecule": molecule_errors(arrays, e_pred, f_pred, names),
                  "neighbour_coverage": neighbour_coverage(stores, arrays, names)}
+        if cfg.baseline:  # its every prediction costs an xTB call: how much of the speed-up is left
+            entry["speed"] = {**speed(cfg, [load_model(app, r)[0] for r in member_runs(run)], arrays,
+                                      args.n_dft_timing),
+                              "note": "each member's time includes its own GFN2-xTB call (the committee's sum "
+                                      "counts xTB once per member)"}
+            entry["screening"] = screen_methods(args, run, args.screen_larger_molecules, args.screen_larger_conformers,
+                                                SCREEN_METHODS[:2], f"-{args.variant}")
         return write_variant(args, entry)
     if args.only_screening:
         path = args.results / "chem_transfer.json"

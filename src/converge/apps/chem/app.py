@@ -20,11 +20,13 @@ from ...data.sources import ArraySource, split_indices
 from ...units import hartree_to_kcal_mol
 from ...contract import App, ArraySpec, BatchSource, Monitor, TensorSpec
 from .config import ChemConfig
+from .delta import baseline_energies_forces
 from .dft import dft_energy_forces
 from .model import (ELEMENTS, ANIPotential, EnergiesForces, element_counts, fit_energy_scale, fit_self_energies,
                     from_config)
-from .molecule_set import PAD_SPECIES, is_multi, modes_of, molecule_set, n_atoms, pad_atoms
-from .molecules import SYMBOL_OF, get_molecule
+from .molecule_set import (PAD_SPECIES, is_multi, modes_of, molecule_set, n_atoms, pad_atoms,
+                           padded_energies_forces)
+from .molecules import get_molecule
 from .sampling import sample_conformer
 
 
@@ -124,6 +126,10 @@ class ChemApp(App):
                       val_fraction: float) -> tuple[BatchSource, BatchSource]:
         tensors = {k: torch.from_numpy(np.ascontiguousarray(arrays[k]))
                    for k in ("species", "coordinates", "energy", "forces")}
+        if cfg.baseline:  # the network learns what the baseline misses (delta.py)
+            e_base, f_base = baseline_energies_forces(cfg.baseline, arrays["species"], arrays["coordinates"])
+            tensors["energy"] = tensors["energy"] - torch.from_numpy(e_base)
+            tensors["forces"] = tensors["forces"] - torch.from_numpy(f_base)
         train_idx, val_idx = split_indices(len(tensors["energy"]), val_fraction, seed)
         self_energies = training_self_energies(tensors["species"][train_idx], tensors["energy"][train_idx])
         counts = torch.from_numpy(element_counts(tensors["species"]))
@@ -183,12 +189,13 @@ class ChemApp(App):
         return {"species": np.stack(species), "coordinates": np.stack(coordinates).astype(np.float32)}
 
     def serve_predict(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Energies (hartree, float64: self-energies added in float64) and forces (hartree/Å)."""
+        """Energies (hartree, float64: self-energies and a baseline's added in float64) and forces (hartree/Å)."""
         species = inputs["species"]
         out = network_energies_forces(model, species, inputs["coordinates"].float(), create_graph=False)
         counts = (species.unsqueeze(-1) == torch.tensor(ELEMENTS, device=species.device)).sum(1).double()  # (B, E)
         energy = out.energy.double() + counts @ model.self_energies.double()  # type: ignore[operator]
-        return {"energy": energy, "forces": out.forces.float()}
+        out = model.add_baseline(species, inputs["coordinates"], EnergiesForces(energy, out.forces.double()))
+        return {"energy": out.energy, "forces": out.forces.float()}
 
     uncertainty_label = "energy spread per atom [kcal/mol]"
 
@@ -206,18 +213,11 @@ class ChemApp(App):
 
         Padding atoms (species 0 or -1) are left out of the calculation and get zero forces.
         """
-        species = np.asarray(inputs["species"], dtype=np.int64)  # (B, A)
-        coordinates = np.asarray(inputs["coordinates"], dtype=np.float64)  # (B, A, 3) Å
-        energy = np.zeros(len(species), dtype=np.float64)
-        forces = np.zeros(coordinates.shape, dtype=np.float64)
-        for b, (z, xyz) in enumerate(zip(species, coordinates)):
-            real = z > 0
-            unknown = sorted(set(z[real].tolist()) - set(SYMBOL_OF))
-            if unknown:
-                raise ValueError(f"sample {b}: atomic number(s) {unknown} have no element here; "
-                                 f"known: {sorted(SYMBOL_OF)}")
-            result = dft_energy_forces([SYMBOL_OF[int(k)] for k in z[real]], xyz[real], cfg)
-            energy[b], forces[b, real] = result.energy_hartree, result.forces_hartree_per_angstrom
+        def dft(symbols: list[str], positions: np.ndarray) -> tuple[float, np.ndarray]:
+            result = dft_energy_forces(symbols, positions, cfg)
+            return result.energy_hartree, result.forces_hartree_per_angstrom
+
+        energy, forces = padded_energies_forces(inputs["species"], inputs["coordinates"], dft)
         return {"energy": energy, "forces": forces}
 
     def record_training_distribution(self, cfg: ChemConfig, arrays: Mapping[str, np.ndarray], run_dir: Path) -> None:

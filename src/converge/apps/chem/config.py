@@ -8,6 +8,7 @@ from ...config import ConfigError
 LEVELS = ("fast", "ani", "custom")
 HESSIAN_METHODS = ("xtb", "dft")
 AEV_PRESETS = ("ani1x", "ani2x", "ani1x_r4")  # the constants of each: aev.py
+BASELINES = ("", "gfn2_xtb")  # what the network is trained on top of: nothing, or GFN2-xTB (delta.py)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class ChemConfig:
     hidden: tuple[int, ...] = (160, 128, 96)
     aev_preset: str = "ani1x"
     force_weight: float = 0.1  # loss = MSE(E) + force_weight * MSE(F), in kcal/mol units
+    # "gfn2_xtb": the network learns DFT minus GFN2-xTB and the potential is xTB plus the network (delta.py)
+    baseline: str = ""
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -57,6 +60,9 @@ class ChemConfig:
             raise ConfigError(f"app.max_atoms={self.max_atoms}: give a number of atoms >= 0 (0: the largest molecule)")
         if self.aev_preset not in AEV_PRESETS:
             raise ConfigError(f"app.aev_preset={self.aev_preset!r}: choose one of {', '.join(AEV_PRESETS)}")
+        if self.baseline not in BASELINES:
+            raise ConfigError(f"app.baseline={self.baseline!r}: choose \"\" (the network alone) or "
+                              f"{', '.join(b for b in BASELINES if b)} (delta learning on top of it)")
         if self.force_weight < 0:
             raise ConfigError(f"app.force_weight={self.force_weight}: must be >= 0")
 

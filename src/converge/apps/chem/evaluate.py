@@ -23,8 +23,8 @@ from ...data.store import ShardStore
 from ...train.loop import load_model
 from ...units import hartree_to_kcal_mol
 from .config import LEVELS, ChemConfig
+from .delta import xtb_energies_forces
 from .dft import dft_energy_forces
-from .sampling import xtb_energy_forces
 
 
 @dataclass(frozen=True)
@@ -109,13 +109,8 @@ def xtb_baseline(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]
     squares on the element counts: generous to xTB; one molecule: its mean offset), and forces (N, A, 3) hartree/Å."""
     from .model import element_counts
 
-    species, coordinates = arrays["species"], arrays["coordinates"]
-    energy = np.zeros(len(species))
-    forces = np.zeros(coordinates.shape)
-    for k, (z, xyz) in enumerate(zip(species, coordinates)):
-        real = z > 0
-        energy[k], forces[k, real] = xtb_energy_forces(get_molecule_symbols(z[real]), xyz[real])
-    counts = element_counts(species)
+    energy, forces = xtb_energies_forces(arrays["species"], arrays["coordinates"])
+    counts = element_counts(arrays["species"])
     offsets, *_ = np.linalg.lstsq(counts, arrays["energy"] - energy, rcond=None)
     return energy + counts @ offsets, forces
 

@@ -68,8 +68,9 @@ class ANIPotential(nn.Module):
     energy_scale: Tensor
 
     def __init__(self, hidden: Sequence[int] = (160, 128, 96), aev_preset: str = "ani1x",
-                 elements: Sequence[int] = ELEMENTS, celu_alpha: float = 0.1) -> None:
+                 elements: Sequence[int] = ELEMENTS, celu_alpha: float = 0.1, baseline: str = "") -> None:
         super().__init__()
+        self.baseline = baseline  # "gfn2_xtb": energies_forces adds GFN2-xTB's to the network's (delta.py)
         self.element_index = ElementIndex(elements)
         self.elements = self.element_index.elements
         self.aev = AtomicEnvironment(aev_preset, num_species=len(self.elements))
@@ -154,7 +155,20 @@ class ANIPotential(nn.Module):
             (gradient,) = torch.autograd.grad(energy.sum(), coords, create_graph=create_graph)
         if not create_graph:
             energy = energy.detach()
-        return EnergiesForces(energy, -gradient)
+        out = EnergiesForces(energy, -gradient)
+        return self.add_baseline(species, coordinates, out) if self.baseline else out
+
+    def add_baseline(self, species: Tensor, coordinates: Tensor, out: EnergiesForces) -> EnergiesForces:
+        """``out`` plus the baseline's energies and forces at ``coordinates`` (computed on the CPU in float64,
+        added in ``out``'s dtypes); ``out`` itself if the model has no baseline."""
+        if not self.baseline:
+            return out
+        from .delta import baseline_energies_forces
+
+        e, f = baseline_energies_forces(self.baseline, species.detach().cpu().numpy(),
+                                        coordinates.detach().cpu().double().numpy())
+        return EnergiesForces(out.energy + torch.as_tensor(e, dtype=out.energy.dtype, device=out.energy.device),
+                              out.forces + torch.as_tensor(f, dtype=out.forces.dtype, device=out.forces.device))
 
 
 def _numpy(x: Tensor | np.ndarray | Sequence) -> np.ndarray:
@@ -225,5 +239,5 @@ def finite_difference_forces(energy_fn: Callable[[Tensor, Tensor], Tensor], spec
 
 
 def from_config(cfg: ChemConfig) -> ANIPotential:
-    """The potential described by the app settings (``hidden`` widths, ``aev_preset``)."""
-    return ANIPotential(hidden=tuple(cfg.hidden), aev_preset=cfg.aev_preset)
+    """The potential described by the app settings (``hidden`` widths, ``aev_preset``, ``baseline``)."""
+    return ANIPotential(hidden=tuple(cfg.hidden), aev_preset=cfg.aev_preset, baseline=cfg.baseline)

@@ -13,14 +13,14 @@ changes an energy.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from .config import ChemConfig
-from .molecules import Molecule, get_molecule
+from .molecules import SYMBOL_OF, Molecule, get_molecule
 from .sampling import NormalModes, compute_normal_modes, reference_modes
 
 PAD_SPECIES = -1  # as TorchANI pads species
@@ -107,3 +107,28 @@ def stack_conformer_sets(sets: Sequence[Mapping[str, np.ndarray]], n: int) -> di
 def real_atoms(species: np.ndarray) -> np.ndarray:
     """Boolean mask of real (non-padding) atoms, from atomic numbers with 0 or -1 padding."""
     return np.asarray(species) > 0
+
+
+def padded_energies_forces(species: np.ndarray, coordinates: np.ndarray,
+                           energy_forces: Callable[[list[str], np.ndarray], tuple[float, np.ndarray]],
+                           error: type[Exception] = ValueError, wrap: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Energies (B,) and forces (B, A, 3) of a padded batch, one ``energy_forces(symbols, positions)`` call per
+    structure (float64, hartree and hartree/Å). Padding atoms (species 0 or -1) are left out of the calculation and
+    get zero forces. An atomic number without an element here is an ``error`` naming the sample; with ``wrap`` (the
+    method's name), so is any failure of ``energy_forces``, else that propagates as raised."""
+    species = np.asarray(species, dtype=np.int64)  # (B, A)
+    coordinates = np.asarray(coordinates, dtype=np.float64)  # (B, A, 3) Å
+    energy = np.zeros(len(species), dtype=np.float64)
+    forces = np.zeros(coordinates.shape, dtype=np.float64)
+    for b, (z, xyz) in enumerate(zip(species, coordinates)):
+        real = z > 0
+        unknown = sorted(set(z[real].tolist()) - set(SYMBOL_OF))
+        if unknown:
+            raise error(f"sample {b}: atomic number(s) {unknown} have no element here; known: {sorted(SYMBOL_OF)}")
+        try:
+            energy[b], forces[b, real] = energy_forces([SYMBOL_OF[int(k)] for k in z[real]], xyz[real])
+        except Exception as err:
+            if not wrap:
+                raise
+            raise error(f"sample {b}: {wrap} failed ({type(err).__name__}: {err})") from None
+    return energy, forces

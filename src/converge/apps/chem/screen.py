@@ -176,13 +176,15 @@ def screen_record(record: MoleculeRecord, energy_forces: BatchEnergyForcesFn, cf
                   fallback: EnergyForcesFn | None = None) -> tuple[ScreenRow, list[np.ndarray], list[float]]:
     """One molecule: its optimised conformers [Å] and their energies [hartree], lowest first, and its row."""
     from .calculator import InputError
+    from .delta import BaselineError
     from .dft import SCFNotConverged
 
     t0 = time.perf_counter()
     symbols = record.molecule.symbols
     try:
         final, found = optimise(symbols, starting_geometries(record, cfg), energy_forces, cfg)
-    except (InputError, SCFNotConverged) as e:  # atoms the run was not trained on, a collapsed geometry, no SCF
+    except (InputError, SCFNotConverged, BaselineError) as e:  # atoms the run was not trained on, a collapsed
+        # geometry, no SCF (DFT, or the xTB under a delta run)
         row = ScreenRow(record.name, record.smiles or "", len(symbols), 0, float("nan"), [], None, False, source,
                         time.perf_counter() - t0, f"{type(e).__name__}: {e}")
         return row, [], []
