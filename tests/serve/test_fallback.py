@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from converge.contract import TensorSpec
 from converge.apps.chem import ChemApp
-from converge.apps.chem.app import SYMBOL_OF
+from converge.apps.chem.molecules import SYMBOL_OF
 from converge.apps.chem.config import ChemConfig
 from converge.apps.chem.dft import dft_energy_forces
 from converge.apps.gw.config import GWConfig
