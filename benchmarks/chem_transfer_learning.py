@@ -24,6 +24,8 @@ Outputs:
 - resumes from ``--out`` round by round;
 - ``--strategy active|random`` runs one strategy alone. The two share round 0, so start random once active's
   round 0 has finished.
+- ``--variant NAME --delta gfn2_xtb`` runs both strategies with members trained on DFT minus GFN2-xTB
+  (``app.baseline``, delta learning), judged as xTB plus the committee; left out of ``seeds``.
 - ``--variant NAME --seed S [--diversity D]`` runs the same comparison with another seed (initial set, pools,
   members; the test set stays) or with batch diversity, in ``--out``/NAME, and adds its figures under
   ``variants.NAME`` of the JSON, leaving the main result as it is. ``seeds`` there lists every plain run's
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from converge.apps.chem import ChemApp, ChemConfig
+from converge.apps.chem.config import BASELINES
 from converge.apps.chem.molecule_set import pad_conformers, stack_conformer_sets
 from converge.apps.chem.smiles import heavy_atoms, library
 from converge.bench.artifacts import write_json
@@ -94,12 +97,15 @@ def main() -> int:
                     "members")
     ap.add_argument("--diversity", type=float, default=0.0, help="with --variant: qbc batch diversity (a fraction of "
                     "the pool's median distance; 0 is plain top-k)")
+    ap.add_argument("--delta", choices=BASELINES, default="", help="with --variant: app.baseline of every member "
+                    "(gfn2_xtb: trained on DFT minus GFN2-xTB, judged as xTB plus the committee)")
     ap.add_argument("--variant", default="", help="a name: run in OUT/NAME and add the figures under variants.NAME")
     ap.add_argument("--test-molecules", type=int, default=24, help="first N of chno_5to7, as chem_transfer.py")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
-    if not args.variant and (args.seed or args.diversity):
-        ap.error("--seed and --diversity need --variant NAME (the main result is seed 0, plain top-k)")
+    if not args.variant and (args.seed or args.diversity or args.delta):
+        ap.error("--seed, --diversity and --delta need --variant NAME (the main result is seed 0, plain top-k, "
+                 "the network alone)")
     path = args.results / "chem_transfer_learning.json"
     if args.variant and args.strategy == "both" and not path.is_file():
         ap.error(f"{path} is missing: run without --variant first (the main result, seed 0)")
@@ -107,7 +113,8 @@ def main() -> int:
     torch.set_num_threads(1)
     pool, test, names, unlabelled, level = labelled_sets(args.transfer, args.test_molecules)
     app = ChemApp()
-    cfg = ChemConfig(molecules=POOL_LIBRARY, level=level, force_weight=1.0, max_atoms=pool["species"].shape[1])
+    cfg = ChemConfig(molecules=POOL_LIBRARY, level=level, force_weight=1.0, max_atoms=pool["species"].shape[1],
+                     baseline=args.delta)
     problem = PooledProblem(app.learning_problem(cfg), pool, test, curve_metrics=METRICS, note={
         "pool": f"{args.transfer}/train-{POOL_LIBRARY}", "test": f"{args.transfer}/test: {len(names)} molecules"})
     tcfg = TrainConfig(**{**app.train_defaults, "seed": args.seed})  # `converge train chem`'s, as chem_transfer.py
@@ -132,7 +139,7 @@ def main() -> int:
            "test": {"library": TEST_LIBRARY, "n_molecules": len(names), "molecules": names,
                     "n_conformers": int(len(test["energy"])), "unlabelled": unlabelled},
            "settings": {k: getattr(args, k) for k in ("initial", "rounds", "pool", "budget", "members", "seed",
-                                                       "diversity")},
+                                                       "diversity", "delta")},
            "train_config": {k: getattr(tcfg, k) for k in ("epochs", "batch_size", "lr", "patience")},
            "judged_by": "the committee's mean on the unseen test molecules (both strategies)",
            "curves": {label: [{"dft_calls": h["simulator_calls"], **{m: h[m] for m in METRICS},

@@ -12,7 +12,8 @@ def run(seed, fraction, diversity=0.0):
 
 
 def test_plain_runs_are_averaged_over_seeds_and_diversity_runs_left_out():
-    result = {**run(0, 0.7), "variants": {"s1": run(1, 0.5), "div": run(0, 0.1, diversity=0.3)}}
+    result = {**run(0, 0.7), "variants": {"s1": run(1, 0.5), "div": run(0, 0.1, diversity=0.3),
+                                          "delta": {**run(0, 0.2), "delta": "gfn2_xtb"}}}
     seeds = summarise_seeds(result, METRICS)["seeds"]
     assert seeds["seeds"] == [0, 1]
     assert seeds["energy_mae_kcal_mol"] == {"fraction_of_random_calls": [0.7, 0.5], "mean": 0.6}

@@ -44,10 +44,12 @@ def summarise_seeds(result: Mapping[str, Any], metrics: Sequence[str]) -> dict[s
     random's calls by metric (the main run and the variants without batch diversity; :func:`reach_random_final`'s
     dicts under each metric), by seed, and their mean where every seed reached random's final error.
 
-    A run names its ``seed`` and ``diversity`` at its top level or under ``settings``.
+    A run names its ``seed``, ``diversity`` and ``delta`` (a baseline the networks learn on top of: another
+    potential, not another seed) at its top level or under ``settings``.
     """
     runs = [result, *result.get("variants", {}).values()]
-    plain = {r.get("settings", r).get("seed", 0): r for r in runs if not r.get("settings", r).get("diversity")}
+    plain = {r.get("settings", r).get("seed", 0): r for r in runs
+             if not r.get("settings", r).get("diversity") and not r.get("settings", r).get("delta")}
     seeds: dict[str, Any] = {"seeds": sorted(plain)}
     for metric in metrics:
         fractions = [plain[s][metric]["fraction_of_random_calls"] for s in sorted(plain)]
