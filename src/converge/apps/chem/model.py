@@ -155,8 +155,7 @@ class ANIPotential(nn.Module):
             (gradient,) = torch.autograd.grad(energy.sum(), coords, create_graph=create_graph)
         if not create_graph:
             energy = energy.detach()
-        out = EnergiesForces(energy, -gradient)
-        return self.add_baseline(species, coordinates, out) if self.baseline else out
+        return self.add_baseline(species, coordinates, EnergiesForces(energy, -gradient))
 
     def add_baseline(self, species: Tensor, coordinates: Tensor, out: EnergiesForces) -> EnergiesForces:
         """``out`` plus the baseline's energies and forces at ``coordinates`` (computed on the CPU in float64,
